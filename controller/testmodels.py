@@ -1,0 +1,438 @@
+"""Seedable random-weight GGUF models for tests and benchmarks.
+
+The models are useless as language models but real to llama.cpp: correct
+architecture metadata, a real tokenizer copied from one of llama.cpp's
+``models/ggml-vocab-*.gguf`` files, and random F32 weights.  Outputs are a
+pure function of (spec, vocab file, generator version), so fixtures can call
+the writers on every test run: an up-to-date file is left untouched.
+
+Usage::
+
+    python -m controller.testmodels llama --vocab ggml-vocab-llama-spm.gguf \\
+        --out tiny.gguf [--size tiny|bench] [--seed N] [--n-embd N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["SIZES", "SPEC_KEY", "LlamaSpec", "main", "write_llama"]
+
+SPEC_KEY = "kvctl.testmodel.spec"
+
+# Part of the stamp, so files written by an older generator (different tensor
+# draw order, different metadata) are regenerated instead of silently reused.
+# Bump whenever the bytes produced for a given spec change.
+_GENERATOR_VERSION = 1
+
+_TOKENIZER_PREFIX = "tokenizer.ggml."
+
+# llama.cpp's GGML_QNT_VERSION; the convert scripts always write it, so do the
+# same to look like any other converted model.
+_QUANTIZATION_VERSION = 2
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """Shape and seed of a random llama model; the defaults are the "tiny" size."""
+
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 4
+    n_ff: int = 128
+    n_ctx_train: int = 32768
+    seed: int = 0
+    # These scales were measured so that greedy decoding depends on the
+    # context instead of collapsing into short loops; keep them as defaults.
+    embd_std: float = 1.0  # token_embd and output
+    hidden_std: float = 0.2  # every other matrix
+
+    def __post_init__(self) -> None:
+        for name in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx_train"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
+        if self.seed < 0:
+            raise ValueError(f"seed must be non-negative, got {self.seed}")
+        if not (self.embd_std > 0 and self.hidden_std > 0):
+            raise ValueError("embd_std and hidden_std must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+SIZES: dict[str, LlamaSpec] = {
+    "tiny": LlamaSpec(),
+    "bench": LlamaSpec(n_embd=512, n_layer=2, n_head=8, n_head_kv=8, n_ff=1024),
+}
+
+
+# ---------------------------------------------------------------------------
+# Shared helpers (architecture independent)
+# ---------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    # Vocab files are at most a few MB, so hashing them is cheap, and it
+    # catches a fixture pointed at a different tokenizer under the same name.
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _stamp(arch: str, spec: Any, vocab_sha256: str) -> str:
+    """Canonical JSON identifying everything the output bytes depend on."""
+    return json.dumps(
+        {
+            "arch": arch,
+            "generator": _GENERATOR_VERSION,
+            "spec": dataclasses.asdict(spec),
+            "vocab_sha256": vocab_sha256,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+# Byte sizes of scalar GGUF values, to step over keys ahead of the stamp.
+_SCALAR_SIZES: dict[int, int] = {
+    gguf.GGUFValueType.UINT8: 1,
+    gguf.GGUFValueType.INT8: 1,
+    gguf.GGUFValueType.BOOL: 1,
+    gguf.GGUFValueType.UINT16: 2,
+    gguf.GGUFValueType.INT16: 2,
+    gguf.GGUFValueType.UINT32: 4,
+    gguf.GGUFValueType.INT32: 4,
+    gguf.GGUFValueType.FLOAT32: 4,
+    gguf.GGUFValueType.UINT64: 8,
+    gguf.GGUFValueType.INT64: 8,
+    gguf.GGUFValueType.FLOAT64: 8,
+}
+
+# _write_model puts the stamp right after general.architecture, so a file
+# of ours has it within the first few keys.
+_STAMP_SCAN_KEYS = 8
+
+
+def _read_gguf_str(f: BinaryIO) -> bytes:
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > 1 << 20:
+        raise ValueError("implausible string length")
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError("truncated string")
+    return data
+
+
+def _read_stamp(path: Path) -> str | None:
+    """The stamp stored in an existing file, or None if absent or unreadable.
+
+    Deliberately not gguf.GGUFReader: it parses every key up front, and the
+    32000-entry tokenizer arrays make that take ~0.5-1 s, as long as writing
+    a tiny model, which would defeat the point of skipping the rewrite.
+    Reading the header up to the stamp takes well under a millisecond.
+    """
+    try:
+        with open(path, "rb") as f:
+            magic, version, _n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
+            if magic != gguf.GGUF_MAGIC or version not in (2, 3):
+                return None
+            for _ in range(min(n_kv, _STAMP_SCAN_KEYS)):
+                key = _read_gguf_str(f)
+                (vtype,) = struct.unpack("<I", f.read(4))
+                if vtype == gguf.GGUFValueType.STRING:
+                    value = _read_gguf_str(f)
+                    if key == SPEC_KEY.encode():
+                        return value.decode("utf-8", errors="replace")
+                elif vtype in _SCALAR_SIZES:
+                    f.seek(_SCALAR_SIZES[vtype], os.SEEK_CUR)
+                else:
+                    # Arrays before the stamp: not a file we wrote.
+                    return None
+    except (OSError, ValueError, struct.error):
+        # A truncated or foreign file is simply regenerated.
+        return None
+    return None
+
+
+def _field_value(
+    field: gguf.ReaderField,
+) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
+    """(value, type, array element type) of a reader field, ready for GGUFWriter."""
+    main_type = field.types[0]
+    if main_type == gguf.GGUFValueType.ARRAY:
+        if len(field.types) == 1:
+            # The reader only records the element type of a non-empty array,
+            # and GGUFWriter refuses to write empty ones anyway.
+            raise ValueError(f"{field.name}: empty arrays cannot be copied")
+        if len(field.types) > 2:
+            # The reader flattens nested arrays, so they cannot be copied faithfully.
+            raise ValueError(f"{field.name}: nested arrays are not supported")
+        sub_type = field.types[1]
+        items: tuple[Any, ...]
+        if sub_type == gguf.GGUFValueType.STRING:
+            # Raw bytes, not field.contents(): token strings are copied
+            # byte-for-byte even if a vocab ever holds invalid UTF-8.
+            items = tuple(bytes(field.parts[i]) for i in field.data)
+        else:
+            # Tuples, not lists: these values live on in the lru_cache.
+            items = tuple(field.parts[i].tolist()[0] for i in field.data)
+        return items, main_type, sub_type
+    if main_type == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[-1]), main_type, None
+    return field.parts[-1].tolist()[0], main_type, None
+
+
+# (key, value, type, array element type), ready for GGUFWriter.add_key_value.
+_KV = tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_kvs(vocab: Path, vocab_sha256: str) -> tuple[_KV, ...]:
+    """The tokenizer.ggml.* keys of a vocab file, cached by content hash.
+
+    GGUFReader spends ~0.5-1 s building per-token numpy views of a 32000-entry
+    vocab, which is most of the cost of writing a tiny model; test sessions
+    write several, so parse each vocab once per process.  ``vocab_sha256`` is
+    part of the cache key so an edited file is reparsed.
+    """
+    reader = gguf.GGUFReader(vocab)
+    return tuple(
+        (name, *_field_value(field))
+        for name, field in reader.fields.items()
+        if name.startswith(_TOKENIZER_PREFIX)
+    )
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: Path, vocab_sha256: str) -> int:
+    """Copy every tokenizer.ggml.* key with its exact type; return the vocab size."""
+    n_vocab: int | None = None
+    for name, value, vtype, sub_type in _tokenizer_kvs(vocab.resolve(), vocab_sha256):
+        # add_key_value rather than add_string/add_array: those silently drop
+        # empty values, and add_array infers the element type from Python
+        # values (ints become INT32), which would change uint32 arrays.
+        writer.add_key_value(name, value, vtype, sub_type)
+        if name == gguf.Keys.Tokenizer.LIST:
+            n_vocab = len(value)
+    if n_vocab is None:
+        raise ValueError(f"{vocab}: no {gguf.Keys.Tokenizer.LIST} array")
+    return n_vocab
+
+
+@contextlib.contextmanager
+def _atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; move it into place only on success."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Same directory so os.replace is a rename, never a cross-device copy;
+    # readers (e.g. a concurrently starting llama-server) see old or new, never half.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        # mkstemp creates 0600; model files are meant to be shared.
+        os.chmod(tmp, 0o644)
+        with open(tmp, "rb") as f:
+            # Without this a crash right after the rename can leave an empty
+            # file under the final name, which the stamp check would then
+            # have to detect as corrupt.
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_model(
+    path: Path,
+    arch: str,
+    stamp: str,
+    populate: Callable[[gguf.GGUFWriter], None],
+) -> Path:
+    """Write a GGUF atomically unless ``path`` already carries ``stamp``."""
+    if path.exists() and _read_stamp(path) == stamp:
+        return path
+    with _atomic_output(path) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)  # also sets general.architecture
+        try:
+            # First key after the architecture: _read_stamp only scans the
+            # head of the file.
+            writer.add_string(SPEC_KEY, stamp)
+            populate(writer)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+    return path
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
+    # Drawing float32 directly is about twice as fast as float64 + astype,
+    # which matters for the bench-size embedding matrices.
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(std)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# llama
+# ---------------------------------------------------------------------------
+
+
+def write_llama(path: Path, vocab: Path, spec: LlamaSpec = LlamaSpec()) -> Path:
+    """Write a random-weight llama GGUF to ``path`` (skipped if already up to date).
+
+    ``vocab`` is a llama.cpp vocab-only GGUF (e.g. ggml-vocab-llama-spm.gguf)
+    whose tokenizer is copied verbatim.  Returns ``path``.
+    """
+    path = Path(path)
+    vocab = Path(vocab)
+    vocab_sha256 = _sha256(vocab)
+    stamp = _stamp("llama", spec, vocab_sha256)
+
+    def populate(w: gguf.GGUFWriter) -> None:
+        n_vocab = _copy_tokenizer(w, vocab, vocab_sha256)
+        hd = spec.head_dim
+
+        w.add_name("kvctl-testmodel-llama")
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_quantization_version(_QUANTIZATION_VERSION)
+        w.add_context_length(spec.n_ctx_train)
+        w.add_embedding_length(spec.n_embd)
+        w.add_block_count(spec.n_layer)
+        w.add_feed_forward_length(spec.n_ff)
+        w.add_head_count(spec.n_head)
+        w.add_head_count_kv(spec.n_head_kv)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_rope_dimension_count(hd)
+        w.add_rope_freq_base(10000.0)
+        w.add_vocab_size(n_vocab)
+
+        # Tensors are drawn in file order from one generator, so the bytes are
+        # a function of the seed alone; changing this order changes every
+        # model and needs a _GENERATOR_VERSION bump.
+        rng = np.random.default_rng(spec.seed)
+        ones = np.ones(spec.n_embd, dtype=np.float32)
+        # numpy shapes are ggml ne reversed: token_embd is ne {n_embd, n_vocab}.
+        w.add_tensor("token_embd.weight", _normal(rng, (n_vocab, spec.n_embd), spec.embd_std))
+        for i in range(spec.n_layer):
+            std = spec.hidden_std
+            w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+            w.add_tensor(
+                f"blk.{i}.attn_q.weight",
+                _normal(rng, (spec.n_head * hd, spec.n_embd), std),
+            )
+            w.add_tensor(
+                f"blk.{i}.attn_k.weight",
+                _normal(rng, (spec.n_head_kv * hd, spec.n_embd), std),
+            )
+            w.add_tensor(
+                f"blk.{i}.attn_v.weight",
+                _normal(rng, (spec.n_head_kv * hd, spec.n_embd), std),
+            )
+            w.add_tensor(
+                f"blk.{i}.attn_output.weight",
+                _normal(rng, (spec.n_embd, spec.n_head * hd), std),
+            )
+            w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+            w.add_tensor(f"blk.{i}.ffn_gate.weight", _normal(rng, (spec.n_ff, spec.n_embd), std))
+            w.add_tensor(f"blk.{i}.ffn_up.weight", _normal(rng, (spec.n_ff, spec.n_embd), std))
+            w.add_tensor(f"blk.{i}.ffn_down.weight", _normal(rng, (spec.n_embd, spec.n_ff), std))
+        w.add_tensor("output_norm.weight", ones)
+        w.add_tensor("output.weight", _normal(rng, (n_vocab, spec.n_embd), spec.embd_std))
+
+    return _write_model(path, "llama", stamp, populate)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def _add_spec_overrides(parser: argparse.ArgumentParser, template: Any) -> None:
+    """One --flag per spec field, typed from its default: new fields need no edit."""
+    for f in dataclasses.fields(template):
+        default = getattr(template, f.name)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=type(default),
+            default=None,
+            help=f"override {f.name} (tiny default: {default})",
+        )
+
+
+def _overrides(args: argparse.Namespace, template: Any) -> dict[str, Any]:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(template)
+        if getattr(args, f.name) is not None
+    }
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m controller.testmodels",
+        description="Write seedable random-weight GGUF test models.",
+    )
+    sub = parser.add_subparsers(dest="arch", required=True)
+
+    llama = sub.add_parser("llama", help="llama architecture, tokenizer copied from --vocab")
+    llama.add_argument(
+        "--vocab",
+        type=Path,
+        required=True,
+        help="vocab-only GGUF to copy the tokenizer from",
+    )
+    llama.add_argument("--out", type=Path, required=True, help="output GGUF path")
+    llama.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="base size (default: tiny)",
+    )
+    _add_spec_overrides(llama, LlamaSpec())
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.arch == "llama":
+        try:
+            spec = dataclasses.replace(SIZES[args.size], **_overrides(args, LlamaSpec()))
+        except ValueError as e:
+            parser.error(str(e))
+        if not args.vocab.is_file():
+            parser.error(f"vocab file not found: {args.vocab}")
+        t0 = time.monotonic()
+        out = write_llama(args.out, args.vocab, spec)
+        elapsed = time.monotonic() - t0
+        print(f"{out}: {out.stat().st_size} bytes, {elapsed:.2f}s, spec={spec}")
+        return 0
+    parser.error(f"unknown architecture {args.arch!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

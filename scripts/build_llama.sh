@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Build the patched llama-server that kvctl drives, and cache it outside the checkout.
+#
+#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--no-patches] [--jobs N] [--force]
+#
+# The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python 0.3.36
+# (upstream commit 0c1e5709), verified by its sha256; with KVCTL_LLAMA_GIT_URL set, a git
+# clone of the same commit instead. patches/*.patch are applied in order with `git apply`.
+# The result is cached under ${XDG_CACHE_HOME:-$HOME/.cache}/kvctl/, keyed by source,
+# patch series and flags, so an unchanged second run takes seconds.
+#
+# Progress goes to stderr; the last line of stdout is the path of the llama-server binary.
+# Environment: KVCTL_PATCHES_DIR (default: patches/ of this checkout), KVCTL_LLAMA_SDIST
+# (a local copy of the sdist), KVCTL_LLAMA_GIT_URL, KVCTL_CACHE_DIR, CMAKE_ARGS (extra flags).
+set -euo pipefail
+
+readonly SDIST_NAME="llama_cpp_python-0.3.36.tar.gz"
+readonly SDIST_SPEC="llama-cpp-python==0.3.36"
+readonly SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+readonly UPSTREAM_COMMIT="0c1e5709"
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+patches_dir="${KVCTL_PATCHES_DIR:-$root/patches}"
+cache="${KVCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvctl}"
+
+cuda=0
+cuda_arch="native"
+use_patches=1
+force=0
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+log() { printf 'build_llama: %s\n' "$*" >&2; }
+die() { printf 'build_llama: error: %s\n' "$*" >&2; exit 1; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cuda) cuda=1 ;;
+        --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
+        --cuda-arch=*) cuda_arch="${1#*=}" ;;
+        --no-patches) use_patches=0 ;;
+        --jobs|-j) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
+        --force) force=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) usage; die "unknown argument: $1" ;;
+    esac
+    shift
+done
+
+for tool in cmake sha256sum tar git; do
+    command -v "$tool" >/dev/null 2>&1 || die "'$tool' is required (apt-get install $tool)"
+done
+
+# --- what this build is: flags and patch series ------------------------------------------
+flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF
+       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF
+       -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=ON)
+if [ "$cuda" = 1 ]; then
+    flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch")
+fi
+# shellcheck disable=SC2206 # CMAKE_ARGS is a flag list by convention
+[ -n "${CMAKE_ARGS:-}" ] && flags+=(${CMAKE_ARGS})
+
+patches=()
+if [ "$use_patches" = 1 ]; then
+    [ -d "$patches_dir" ] || die "patch folder not found: $patches_dir"
+    while IFS= read -r p; do patches+=("$p"); done < <(find "$patches_dir" -maxdepth 1 -name '*.patch' | LC_ALL=C sort)
+fi
+
+series_hash="$( { for p in "${patches[@]+"${patches[@]}"}"; do basename "$p"; cat "$p"; done; } | sha256sum | cut -c1-16)"
+key="$(printf '%s\n' "llama.cpp@$UPSTREAM_COMMIT" "$series_hash" "${flags[*]}" | sha256sum | cut -c1-16)"
+entry="$cache/build/$key"
+binary="$entry/bin/llama-server"
+
+mkdir -p "$cache/build" "$cache/sdist" "$cache/tmp"
+
+# one build at a time per cache: a test run and a quickstart must not race on the same entry
+exec 9>"$cache/.lock"
+if command -v flock >/dev/null 2>&1; then
+    flock 9
+fi
+
+if [ "$force" = 0 ] && [ -x "$binary" ]; then
+    log "cache hit: $entry (patches $series_hash)"
+    echo "$binary"
+    exit 0
+fi
+
+# --- fetch the pinned source -------------------------------------------------------------
+work="$(mktemp -d "$cache/tmp/$key.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+src="$work/llama.cpp"
+
+if [ -n "${KVCTL_LLAMA_GIT_URL:-}" ]; then
+    log "cloning $KVCTL_LLAMA_GIT_URL at $UPSTREAM_COMMIT"
+    git clone --quiet --filter=blob:none --no-checkout "$KVCTL_LLAMA_GIT_URL" "$src" >&2 \
+        || die "git clone of $KVCTL_LLAMA_GIT_URL failed"
+    git -C "$src" checkout --quiet "$UPSTREAM_COMMIT" >&2 || die "commit $UPSTREAM_COMMIT not found"
+    rm -rf "$src/.git"
+else
+    sdist="${KVCTL_LLAMA_SDIST:-$cache/sdist/$SDIST_NAME}"
+    if [ ! -f "$sdist" ]; then
+        log "downloading $SDIST_SPEC (sdist, ~77 MB)"
+        python3 -m pip download --quiet --no-deps --no-binary :all: "$SDIST_SPEC" -d "$work/dl" >&2 \
+            || die "pip download $SDIST_SPEC failed (is the package index reachable?)"
+        mv "$work/dl/$SDIST_NAME" "$sdist.part"
+        mv "$sdist.part" "$sdist"
+    fi
+    actual="$(sha256sum "$sdist" | cut -d' ' -f1)"
+    if [ "$actual" != "$SDIST_SHA256" ]; then
+        [ -z "${KVCTL_LLAMA_SDIST:-}" ] && rm -f "$sdist"
+        die "sha256 mismatch for $sdist: got $actual, want $SDIST_SHA256"
+    fi
+    log "extracting llama.cpp from $(basename "$sdist")"
+    tar -xzf "$sdist" -C "$work" "llama_cpp_python-0.3.36/vendor/llama.cpp"
+    mv "$work/llama_cpp_python-0.3.36/vendor/llama.cpp" "$src"
+    # the sdist keeps a submodule pointer whose target is not shipped; git would trip on it
+    rm -f "$src/.git"
+fi
+
+# --- apply the patch series --------------------------------------------------------------
+for p in "${patches[@]+"${patches[@]}"}"; do
+    name="$(basename "$p")"
+    if ! (cd "$src" && git apply --check "$p" 2>"$work/apply.err"); then
+        sed 's/^/    /' "$work/apply.err" >&2
+        die "patch $name does not apply to llama.cpp $UPSTREAM_COMMIT"
+    fi
+    (cd "$src" && git apply "$p")
+    log "applied $name"
+done
+
+# --- build -------------------------------------------------------------------------------
+log "configuring (${flags[*]})"
+export CCACHE_BASEDIR="$work" CCACHE_NOHASHDIR=1   # hit the ccache across temporary folders
+cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/cmake.log" 2>&1 \
+    || { tail -n 40 "$work/cmake.log" >&2; die "cmake configure failed (log above)"; }
+log "building llama-server with $jobs jobs (a cold CPU build takes ~13 min on 2 cores)"
+if ! cmake --build "$work/build" --target llama-server -j "$jobs" >"$work/build.log" 2>&1; then
+    grep -E 'error|Error' "$work/build.log" | head -n 40 >&2 || true
+    tail -n 20 "$work/build.log" >&2
+    die "build failed (log above)"
+fi
+
+# --- install into the cache atomically ---------------------------------------------------
+stage="$work/entry"
+mkdir -p "$stage/bin" "$stage/vocab"
+cp "$work/build/bin/llama-server" "$stage/bin/"
+cp "$src"/models/ggml-vocab-llama-spm.gguf "$src"/models/ggml-vocab-qwen35.gguf "$stage/vocab/"
+{
+    echo "source: llama.cpp $UPSTREAM_COMMIT"
+    echo "patches: $series_hash"
+    for p in "${patches[@]+"${patches[@]}"}"; do echo "  $(basename "$p")"; done
+    echo "flags: ${flags[*]}"
+    echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+} >"$stage/BUILD_INFO"
+rm -rf "$entry"
+mv "$stage" "$entry"
+log "built $binary"
+echo "$binary"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up everything the test suite needs on a fresh machine, then run all of it.
+#
+#   scripts/test.sh [pytest args...]
+#
+# 1. a virtual environment in .venv with kvctl and its test dependencies
+# 2. the patched llama-server (scripts/build_llama.sh; cached, so later runs take seconds)
+# 3. pytest over tests/ (unit tests, then the integration tests on the real server)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+venv="${KVCTL_VENV:-$root/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+    echo "test.sh: creating $venv" >&2
+    python3 -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+if [ ! -f "$venv/.kvctl-installed" ] || [ pyproject.toml -nt "$venv/.kvctl-installed" ]; then
+    echo "test.sh: installing kvctl[test]" >&2
+    python -m pip install --quiet --upgrade pip >&2
+    python -m pip install --quiet -e ".[test]" >&2
+    touch "$venv/.kvctl-installed"
+fi
+
+# the build must not share the 2 cores with server tests: build first, then test
+LLAMA_SERVER_BIN_PATH="$(bash scripts/build_llama.sh | tail -n 1)"
+export LLAMA_SERVER_BIN_PATH
+echo "test.sh: llama-server at $LLAMA_SERVER_BIN_PATH" >&2
+
+exec python -m pytest "$@"

@@ -1,0 +1,89 @@
+"""Fixtures for tests that drive the real patched llama-server on a generated model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from controller import testmodels
+from tests.integration.llama import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    """The patched server: LLAMA_SERVER_BIN_PATH (set by scripts/test.sh), else build it."""
+    env = os.environ.get("LLAMA_SERVER_BIN_PATH")
+    if env:
+        path = Path(env)
+    else:
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama.sh")], check=True,
+                             stdout=subprocess.PIPE, text=True).stdout
+        path = Path(out.strip().splitlines()[-1])
+    assert path.is_file() and os.access(path, os.X_OK), f"not an executable: {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def vocab_dir(llama_server_bin: Path) -> Path:
+    # build_llama.sh stores the pinned tree's vocab files beside the binary
+    path = llama_server_bin.parent.parent / "vocab"
+    assert (path / "ggml-vocab-llama-spm.gguf").is_file(), f"no vocab in {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_dir: Path, vocab_dir: Path) -> Path:
+    return testmodels.write_llama(models_dir / "tiny.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf",
+                                  testmodels.SIZES["tiny"])
+
+
+ServerFactory = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def start_server(llama_server_bin: Path, tiny_model: Path, tmp_path: Path,
+                 request: pytest.FixtureRequest) -> Iterator[ServerFactory]:
+    """Start servers for one test; all are stopped at its end, and their logs shown on failure."""
+    servers: list[ServerProcess] = []
+
+    def start(*args: str, model: Path | None = None) -> ServerProcess:
+        log = tmp_path / f"server-{len(servers)}.log"
+        srv = ServerProcess(llama_server_bin, model or tiny_model, args, log)
+        servers.append(srv)
+        return srv.start()
+
+    yield start
+    for srv in servers:
+        srv.stop()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for srv in servers:
+            print(f"--- {srv.log_path} ---\n{srv.log_tail(60)}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    rep = yield
+    if call.when == "call":
+        item.rep_call = rep  # type: ignore[attr-defined]
+    return rep
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    # no keep-alive: llama-server closes idle connections, a reused one fails on write
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        yield session

@@ -1,0 +1,204 @@
+"""Run the real patched llama-server in tests, and talk to it.
+
+Modelled on llama.cpp's own tools/server/tests/utils.py: the binary comes from
+LLAMA_SERVER_BIN_PATH, each server gets a free port, start-up polls /health while
+watching for an early exit, and stop() terminates, then kills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """One llama-server child process on a loopback port."""
+
+    def __init__(self, binary: Path, model: Path, args: Sequence[str], log_path: Path) -> None:
+        self.binary = binary
+        self.model = model
+        self.args = list(args)
+        self.log_path = log_path
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        # -t 1: ggml's spinning thread pool collapses when it shares 2 cores with anything else
+        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", "1", "-tb", "1", "--temp", "0", "--seed", "42", "--no-warmup", *self.args]
+        log = self.log_path.open("ab")
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"llama-server did not become healthy in {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+# --- SSE ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SSEEvent:
+    data: str | None = None
+    comments: list[str] = field(default_factory=list)
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[SSEEvent]:
+    """Frame an SSE body on blank lines.
+
+    Lines end only at \\n, \\r\\n or \\r: random-weight models emit U+2028 and friends inside
+    JSON strings, which str.splitlines() would wrongly treat as line breaks.
+    """
+    event = SSEEvent()
+    data_lines: list[str] = []
+    while True:
+        raw = await resp.content.readline()
+        if not raw:
+            break
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if line == "":
+            if data_lines or event.comments:
+                event.data = "\n".join(data_lines) if data_lines else None
+                yield event
+            event, data_lines = SSEEvent(), []
+        elif line.startswith(":"):
+            event.comments.append(line[1:].strip())
+        elif line.startswith("data:"):
+            data_lines.append(line[5:].lstrip(" "))
+    if data_lines or event.comments:
+        event.data = "\n".join(data_lines) if data_lines else None
+        yield event
+
+
+@dataclass
+class StreamResult:
+    status: int
+    tokens: list[int] = field(default_factory=list)
+    content: str = ""
+    n_decoded: list[int] = field(default_factory=list)
+    comments: list[str] = field(default_factory=list)
+    final: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    id_slot: int | None = None
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    *,
+    headers: dict[str, str] | None = None,
+    on_chunk: Any = None,
+) -> StreamResult:
+    """POST /completion with stream=true; collect token ids, text, n_decoded and SSE comments."""
+    body = {"stream": True, **payload}
+    async with session.post(url + "/completion", json=body, headers=headers) as resp:
+        res = StreamResult(status=resp.status)
+        if resp.status != 200:
+            res.error = (await resp.json()).get("error")
+            return res
+        async for ev in sse_events(resp):
+            res.comments.extend(ev.comments)
+            if ev.data is None:
+                continue
+            chunk = json.loads(ev.data)
+            if "error" in chunk:
+                res.error = chunk["error"]
+                break
+            res.id_slot = chunk.get("id_slot", res.id_slot)
+            if chunk.get("stop"):
+                res.final = chunk
+                res.content += chunk.get("content", "")
+                continue
+            res.tokens.extend(chunk.get("tokens", []))
+            res.content += chunk.get("content", "")
+            res.n_decoded.append(int(chunk["tokens_predicted"]))
+            if on_chunk is not None:
+                await on_chunk(res)
+        return res
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def post_action(
+    session: aiohttp.ClientSession, url: str, slot: int | str, action: str, body: Any = None
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    kwargs: dict[str, Any] = {}
+    if body is not None:
+        kwargs["data"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    async with session.post(f"{url}/slots/{slot}?action={action}", **kwargs) as resp:
+        return resp.status, await resp.json(content_type=None), dict(resp.headers)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text: unlabelled samples by name; every sample must have a # TYPE line."""
+    typed: set[str] = set()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{", 1)[0]
+            assert base in typed, f"{base} has no # TYPE line"
+            if "{" not in name:
+                values[name] = float(value)
+    return values
