@@ -26,7 +26,8 @@ fi
 
 # the build must not share the 2 cores with server tests: build first, then test
 LLAMA_SERVER_BIN_PATH="$(bash scripts/build_llama.sh | tail -n 1)"
-export LLAMA_SERVER_BIN_PATH
+KVCTL_VOCAB_DIR="$(dirname "$(dirname "$LLAMA_SERVER_BIN_PATH")")/vocab"
+export LLAMA_SERVER_BIN_PATH KVCTL_VOCAB_DIR
 echo "test.sh: llama-server at $LLAMA_SERVER_BIN_PATH" >&2
 
 exec python -m pytest "$@"

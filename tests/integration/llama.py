@@ -23,6 +23,11 @@ from typing import Any
 
 import aiohttp
 
+# SPM byte-fallback tokens <0x00>..<0xFF>. A token that ends in an incomplete UTF-8 sequence gets no
+# stream chunk of its own (the server sends its bytes with the next one), so its id never reaches the
+# client. Banning these tokens gives every token its own chunk, and the client sees every id.
+NO_BYTE_TOKENS: list[list[int | bool]] = [[i, False] for i in range(3, 259)]
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -151,24 +156,28 @@ async def stream_completion(
         if resp.status != 200:
             res.error = (await resp.json()).get("error")
             return res
-        async for ev in sse_events(resp):
-            res.comments.extend(ev.comments)
-            if ev.data is None:
-                continue
-            chunk = json.loads(ev.data)
-            if "error" in chunk:
-                res.error = chunk["error"]
-                break
-            res.id_slot = chunk.get("id_slot", res.id_slot)
-            if chunk.get("stop"):
-                res.final = chunk
+        try:
+            async for ev in sse_events(resp):
+                res.comments.extend(ev.comments)
+                if ev.data is None:
+                    continue
+                chunk = json.loads(ev.data)
+                if "error" in chunk:
+                    res.error = chunk["error"]
+                    break
+                res.id_slot = chunk.get("id_slot", res.id_slot)
+                if chunk.get("stop"):
+                    res.final = chunk
+                    res.content += chunk.get("content", "")
+                    continue
+                res.tokens.extend(chunk.get("tokens", []))
                 res.content += chunk.get("content", "")
-                continue
-            res.tokens.extend(chunk.get("tokens", []))
-            res.content += chunk.get("content", "")
-            res.n_decoded.append(int(chunk["tokens_predicted"]))
-            if on_chunk is not None:
-                await on_chunk(res)
+                res.n_decoded.append(int(chunk["tokens_predicted"]))
+                if on_chunk is not None:
+                    await on_chunk(res)
+        except BaseException:
+            resp.close()  # hang up now: the server must see the client go away
+            raise
         return res
 
 
