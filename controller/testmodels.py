@@ -219,9 +219,7 @@ def _tokenizer_kvs(vocab: Path, vocab_sha256: str) -> tuple[_KV, ...]:
     """
     reader = gguf.GGUFReader(vocab)
     return tuple(
-        (name, *_field_value(field))
-        for name, field in reader.fields.items()
-        if name.startswith(_TOKENIZER_PREFIX)
+        (name, *_field_value(field)) for name, field in reader.fields.items() if name.startswith(_TOKENIZER_PREFIX)
     )
 
 
@@ -384,11 +382,7 @@ def _add_spec_overrides(parser: argparse.ArgumentParser, template: Any) -> None:
 
 
 def _overrides(args: argparse.Namespace, template: Any) -> dict[str, Any]:
-    return {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(template)
-        if getattr(args, f.name) is not None
-    }
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(template) if getattr(args, f.name) is not None}
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -23,8 +23,9 @@ def llama_server_bin() -> Path:
     if env:
         path = Path(env)
     else:
-        out = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama.sh")], check=True,
-                             stdout=subprocess.PIPE, text=True).stdout
+        out = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build_llama.sh")], check=True, stdout=subprocess.PIPE, text=True
+        ).stdout
         path = Path(out.strip().splitlines()[-1])
     assert path.is_file() and os.access(path, os.X_OK), f"not an executable: {path}"
     return path
@@ -45,16 +46,18 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(models_dir: Path, vocab_dir: Path) -> Path:
-    return testmodels.write_llama(models_dir / "tiny.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf",
-                                  testmodels.SIZES["tiny"])
+    return testmodels.write_llama(
+        models_dir / "tiny.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf", testmodels.SIZES["tiny"]
+    )
 
 
 ServerFactory = Callable[..., ServerProcess]
 
 
 @pytest.fixture
-def start_server(llama_server_bin: Path, tiny_model: Path, tmp_path: Path,
-                 request: pytest.FixtureRequest) -> Iterator[ServerFactory]:
+def start_server(
+    llama_server_bin: Path, tiny_model: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[ServerFactory]:
     """Start servers for one test; all are stopped at its end, and their logs shown on failure."""
     servers: list[ServerProcess] = []
 

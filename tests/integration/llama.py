@@ -52,8 +52,25 @@ class ServerProcess:
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
         # -t 1: ggml's spinning thread pool collapses when it shares 2 cores with anything else
-        cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-               "-t", "1", "-tb", "1", "--temp", "0", "--seed", "42", "--no-warmup", *self.args]
+        cmd = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            "1",
+            "-tb",
+            "1",
+            "--temp",
+            "0",
+            "--seed",
+            "42",
+            "--no-warmup",
+            *self.args,
+        ]
         log = self.log_path.open("ab")
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()

@@ -15,8 +15,9 @@ SCRIPT = ROOT / "scripts" / "build_llama.sh"
 
 
 def run_script(env: dict[str, str] | None = None, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=3600)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=3600
+    )
 
 
 def test_cache_hit_returns_the_same_binary_without_building(llama_server_bin: Path) -> None:

@@ -29,8 +29,7 @@ def assert_consistent(kv: dict[str, Any]) -> None:
     assert kv["n_slots_idle"] == sum(s["state"] == "idle" for s in kv["slots"])
 
 
-async def test_kv_counts_prompt_plus_generated_tokens(start_server: ServerFactory,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_kv_counts_prompt_plus_generated_tokens(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
     kv = await get_json(http, srv.url + "/kv")
     assert_consistent(kv)
@@ -39,9 +38,15 @@ async def test_kv_counts_prompt_plus_generated_tokens(start_server: ServerFactor
     assert kv["bytes_per_cell"] == 2 * 2 * 64 * 2  # 2 layers x (K + V) x 64 dims x f16
 
     n_predict = 40
-    async with http.post(srv.url + "/completion", json={
-        "prompt": PROMPT, "n_predict": n_predict, "ignore_eos": True, "id_slot": 1,
-    }) as resp:
+    async with http.post(
+        srv.url + "/completion",
+        json={
+            "prompt": PROMPT,
+            "n_predict": n_predict,
+            "ignore_eos": True,
+            "id_slot": 1,
+        },
+    ) as resp:
         assert resp.status == 200
         done = await resp.json()
     n_prompt = done["tokens_evaluated"]
@@ -66,9 +71,13 @@ async def test_slots_fields_while_generating(start_server: ServerFactory, http: 
             kv = await get_json(http, srv.url + "/kv")
             seen.append({"slots": slots, "kv": kv})
 
-    res = await stream_completion(http, srv.url, {"prompt": PROMPT, "n_predict": 80, "ignore_eos": True,
-                                                  "id_slot": 2},
-                                  headers={"X-Request-Id": "req-abc-123"}, on_chunk=probe)
+    res = await stream_completion(
+        http,
+        srv.url,
+        {"prompt": PROMPT, "n_predict": 80, "ignore_eos": True, "id_slot": 2},
+        headers={"X-Request-Id": "req-abc-123"},
+        on_chunk=probe,
+    )
     assert res.status == 200 and len(res.tokens) == 80
     slots, kv = seen[0]["slots"], seen[0]["kv"]
     assert_consistent(kv)
@@ -97,8 +106,11 @@ async def test_slots_fields_while_generating(start_server: ServerFactory, http: 
 async def test_next_step_counts_the_prefill_batch(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     # a small batch makes the prefill take many steps, so a poll lands inside it
     srv = start_server(*POOL, "-b", "32", "-ub", "32")
-    gen = asyncio.create_task(stream_completion(http, srv.url, {"prompt": "Once upon a time", "n_predict": 400,
-                                                                "ignore_eos": True, "id_slot": 0}))
+    gen = asyncio.create_task(
+        stream_completion(
+            http, srv.url, {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "id_slot": 0}
+        )
+    )
     long_prompt = [1000 + i for i in range(1200)]  # token ids: an exact length
     snapshots: list[dict[str, Any]] = []
 
@@ -113,8 +125,7 @@ async def test_next_step_counts_the_prefill_batch(start_server: ServerFactory, h
             break
         await asyncio.sleep(0.01)
     poller = asyncio.create_task(poll())
-    async with http.post(srv.url + "/completion", json={"prompt": long_prompt, "n_predict": 4,
-                                                        "id_slot": 1}) as resp:
+    async with http.post(srv.url + "/completion", json={"prompt": long_prompt, "n_predict": 4, "id_slot": 1}) as resp:
         assert resp.status == 200
     poller.cancel()
     await gen
@@ -131,8 +142,7 @@ async def test_next_step_counts_the_prefill_batch(start_server: ServerFactory, h
 
 async def test_metrics_agree_with_kv(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
-    async with http.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 25,
-                                                        "ignore_eos": True}) as resp:
+    async with http.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 25, "ignore_eos": True}) as resp:
         assert resp.status == 200
     kv = await get_json(http, srv.url + "/kv")
     async with http.get(srv.url + "/metrics") as resp:
@@ -142,13 +152,11 @@ async def test_metrics_agree_with_kv(start_server: ServerFactory, http: aiohttp.
     assert m["llamacpp:kv_cells_used"] == kv["n_cells_used"] > 0
     assert abs(m["llamacpp:kv_cache_usage_ratio"] - kv["used_ratio"]) < 1e-6
     assert m["llamacpp:slots_parked"] == 0 and m["llamacpp:parked_bytes"] == 0
-    for name in ("slot_parks_total", "slot_resumes_total", "slot_park_failures_total",
-                 "slot_resume_failures_total"):
+    for name in ("slot_parks_total", "slot_resumes_total", "slot_park_failures_total", "slot_resume_failures_total"):
         assert m[f"llamacpp:{name}"] == 0
 
 
-async def test_kv_is_refused_without_slots_endpoint(start_server: ServerFactory,
-                                                    http: aiohttp.ClientSession) -> None:
+async def test_kv_is_refused_without_slots_endpoint(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server("-c", "1024", "-np", "2", "--no-slots")
     async with http.get(srv.url + "/kv") as resp:
         assert resp.status == 501

@@ -24,9 +24,15 @@ POOL = ("-c", "4096", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-id
 
 
 def request(prompt: str, n_predict: int, slot: int) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
-            "id_slot": slot, "cache_prompt": False,
-            "logit_bias": NO_BYTE_TOKENS}
+    return {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "ignore_eos": True,
+        "temperature": 0,
+        "id_slot": slot,
+        "cache_prompt": False,
+        "logit_bias": NO_BYTE_TOKENS,
+    }
 
 
 def assert_continuous(res: StreamResult, n_predict: int) -> None:
@@ -42,8 +48,7 @@ async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
         return parse_metrics(await resp.text())
 
 
-async def test_solo_stream_parked_four_times_is_exact(start_server: ServerFactory,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_solo_stream_parked_four_times_is_exact(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
     req = request("In a hole in the ground there lived", 1000, 0)
     ref = await stream_completion(http, srv.url, req)
@@ -90,7 +95,8 @@ async def test_solo_stream_parked_four_times_is_exact(start_server: ServerFactor
 
 
 async def test_parked_stream_gets_keepalives_and_parked_time_is_not_generation_time(
-        start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
+    start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
     srv = start_server(*POOL)
     req = request("A long time ago", 200, 1)
     parked_s = 6.0
@@ -112,8 +118,7 @@ async def test_parked_stream_gets_keepalives_and_parked_time_is_not_generation_t
     assert res.final["timings"]["predicted_ms"] < wall_ms - parked_s * 1000 * 0.8
 
 
-async def test_three_streams_one_parked_repeatedly(start_server: ServerFactory,
-                                                   http: aiohttp.ClientSession) -> None:
+async def test_three_streams_one_parked_repeatedly(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
     kv_idle = await get_json(http, srv.url + "/kv")
     n_predict = 400
@@ -150,8 +155,7 @@ async def test_three_streams_one_parked_repeatedly(start_server: ServerFactory,
     assert kv_idle["n_cells_used"] == 0
 
 
-async def test_cancel_while_parked_frees_the_slot(start_server: ServerFactory,
-                                                  http: aiohttp.ClientSession) -> None:
+async def test_cancel_while_parked_frees_the_slot(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
     req = request("The cancelled request", 300, 2)
 
@@ -168,7 +172,6 @@ async def test_cancel_while_parked_frees_the_slot(start_server: ServerFactory,
         async with aiohttp.ClientSession() as client:
             await stream_completion(client, srv.url, req, on_chunk=park_then_hang_up)
 
-    import subprocess; print(subprocess.run(["ss","-tnp"],capture_output=True,text=True).stdout)
     deadline = time.monotonic() + 10
     while True:
         kv = await get_json(http, srv.url + "/kv")
@@ -187,8 +190,7 @@ async def test_cancel_while_parked_frees_the_slot(start_server: ServerFactory,
     assert res.tokens == ref.tokens
 
 
-async def test_only_parked_slots_do_not_spin_the_loop(start_server: ServerFactory,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_only_parked_slots_do_not_spin_the_loop(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
     cpu: list[float] = []
 
@@ -209,8 +211,7 @@ async def test_only_parked_slots_do_not_spin_the_loop(start_server: ServerFactor
     assert cpu[0] < 0.5, f"server used {cpu[0]:.2f} s of CPU in 2 s with only a parked slot"
 
 
-async def test_non_streaming_request_survives_a_park(start_server: ServerFactory,
-                                                     http: aiohttp.ClientSession) -> None:
+async def test_non_streaming_request_survives_a_park(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
     body = {**request("Plain JSON please", 300, 0), "return_tokens": True}
     async with http.post(srv.url + "/completion", json=body) as resp:

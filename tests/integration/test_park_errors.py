@@ -22,8 +22,14 @@ POOL = ("-c", "2048", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-id
 
 
 def request(prompt: str | list[int], n_predict: int, slot: int) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "id_slot": slot, "cache_prompt": False,
-            "logit_bias": NO_BYTE_TOKENS}
+    return {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "ignore_eos": True,
+        "id_slot": slot,
+        "cache_prompt": False,
+        "logit_bias": NO_BYTE_TOKENS,
+    }
 
 
 def assert_error(status: int, body: dict[str, Any], code: int, etype: str, words: str) -> None:
@@ -90,8 +96,7 @@ async def test_conflicts_on_a_running_request(start_server: ServerFactory, http:
     assert res.status == 200 and res.n_decoded == list(range(1, 121))
 
 
-async def test_resume_without_room_keeps_the_snapshot(start_server: ServerFactory,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_resume_without_room_keeps_the_snapshot(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server("-c", "1024", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
     ref_srv = start_server("-c", "1024", "-np", "2", "-kvu", "--slots", "--no-cache-idle-slots")
     req = request("Waiting for room", 400, 0)
@@ -129,8 +134,9 @@ async def test_resume_without_room_keeps_the_snapshot(start_server: ServerFactor
 
 async def test_park_budget_exceeded_frees_nothing(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     # 1 MiB budget at 512 B per cell: a 2100-cell sequence does not fit
-    srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots",
-                       "--park-ram", "1")
+    srv = start_server(
+        "-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots", "--park-ram", "1"
+    )
     kv = await get_json(http, srv.url + "/kv")
     assert kv["park_ram_budget_bytes"] == 1024 * 1024
     prompt = [1000 + i for i in range(2100)]  # token ids: an exact length
@@ -161,14 +167,16 @@ async def test_parking_disabled_is_501(start_server: ServerFactory, http: aiohtt
 
 
 @pytest.mark.parametrize("n_cmpl", [2])
-async def test_shared_prompt_slots_are_not_parkable(start_server: ServerFactory, http: aiohttp.ClientSession,
-                                                    n_cmpl: int) -> None:
+async def test_shared_prompt_slots_are_not_parkable(
+    start_server: ServerFactory, http: aiohttp.ClientSession, n_cmpl: int
+) -> None:
     srv = start_server(*POOL)
     errors: list[dict[str, Any]] = []
 
     async def client() -> int:
-        async with http.post(srv.url + "/completion", json={"prompt": "siblings", "n_predict": 300,
-                                                            "ignore_eos": True, "n_cmpl": n_cmpl}) as r:
+        async with http.post(
+            srv.url + "/completion", json={"prompt": "siblings", "n_predict": 300, "ignore_eos": True, "n_cmpl": n_cmpl}
+        ) as r:
             return r.status
 
     task = asyncio.create_task(client())

@@ -21,12 +21,32 @@ from tests.integration.llama import (
 
 def spec_args(model: Path) -> tuple[str, ...]:
     # the same weights as draft: under greedy sampling every draft would be accepted
-    return ("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots",
-            "--model-draft", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+    return (
+        "-c",
+        "4096",
+        "-np",
+        "2",
+        "-kvu",
+        "--slots",
+        "--metrics",
+        "--no-cache-idle-slots",
+        "--model-draft",
+        str(model),
+        "--spec-type",
+        "draft-simple",
+        "--spec-draft-n-max",
+        "4",
+    )
 
 
-REQ: dict[str, Any] = {"prompt": "Draft and verify", "n_predict": 400, "ignore_eos": True, "id_slot": 0,
-                       "cache_prompt": False, "logit_bias": NO_BYTE_TOKENS}
+REQ: dict[str, Any] = {
+    "prompt": "Draft and verify",
+    "n_predict": 400,
+    "ignore_eos": True,
+    "id_slot": 0,
+    "cache_prompt": False,
+    "logit_bias": NO_BYTE_TOKENS,
+}
 
 
 async def accepted(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -35,8 +55,9 @@ async def accepted(http: aiohttp.ClientSession, url: str) -> tuple[float, float]
     return m["llamacpp:spec_decode_num_accepted_tokens_total"], m["llamacpp:spec_decode_num_draft_tokens_total"]
 
 
-async def test_park_resume_keeps_output_and_acceptance(start_server: ServerFactory, tiny_model: Path,
-                                                       http: aiohttp.ClientSession) -> None:
+async def test_park_resume_keeps_output_and_acceptance(
+    start_server: ServerFactory, tiny_model: Path, http: aiohttp.ClientSession
+) -> None:
     srv = start_server(*spec_args(tiny_model))
     ref = await stream_completion(http, srv.url, REQ)
     assert ref.status == 200 and len(ref.tokens) == 400

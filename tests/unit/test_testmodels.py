@@ -27,8 +27,7 @@ def vocab() -> Path:
     vocab_dir = os.environ.get("KVCTL_VOCAB_DIR")
     if not vocab_dir:
         pytest.fail(
-            f"KVCTL_VOCAB_DIR is not set; point it at llama.cpp's models/ directory "
-            f"(the one holding {VOCAB_NAME})",
+            f"KVCTL_VOCAB_DIR is not set; point it at llama.cpp's models/ directory (the one holding {VOCAB_NAME})",
             pytrace=False,
         )
     path = Path(vocab_dir) / VOCAB_NAME
