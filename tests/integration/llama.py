@@ -198,16 +198,21 @@ async def stream_completion(
         return res
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url) as resp:
+async def get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> Any:
+    async with session.get(url, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         return await resp.json()
 
 
 async def post_action(
-    session: aiohttp.ClientSession, url: str, slot: int | str, action: str, body: Any = None
+    session: aiohttp.ClientSession,
+    url: str,
+    slot: int | str,
+    action: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"headers": headers}
     if body is not None:
         kwargs["data"] = body if isinstance(body, (str, bytes)) else json.dumps(body)
     async with session.post(f"{url}/slots/{slot}?action={action}", **kwargs) as resp:
