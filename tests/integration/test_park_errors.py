@@ -97,8 +97,9 @@ async def test_conflicts_on_a_running_request(start_server: ServerFactory, http:
 
 
 async def test_resume_without_room_keeps_the_snapshot(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
-    srv = start_server("-c", "1024", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
-    ref_srv = start_server("-c", "1024", "-np", "2", "-kvu", "--slots", "--no-cache-idle-slots")
+    args = ("-c", "1024", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
+    srv = start_server(*args)
+    ref_srv = start_server(*args)
     req = request("Waiting for room", 400, 0)
     ref = await stream_completion(http, ref_srv.url, req)
     events: list[str] = []
@@ -108,22 +109,30 @@ async def test_resume_without_room_keeps_the_snapshot(start_server: ServerFactor
             return
         st, parked, _ = await post_action(http, srv.url, 0, "park")
         assert st == 200
-        # another request fills the pool while slot 0 is parked
-        filler = [1000 + i for i in range(880)]  # token ids: leaves less room than slot 0 needs
-        async with http.post(srv.url + "/completion", json={"prompt": filler, "n_predict": 4, "id_slot": 1}) as r:
-            assert r.status == 200
-        kv = await get_json(http, srv.url + "/kv")
-        assert kv["n_cells_free"] < parked["n_cells"]
+        # another request fills the pool while slot 0 is parked, and is still running
+        filler_started = asyncio.Event()
+
+        async def on_filler(r: StreamResult) -> None:
+            if len(r.tokens) == 5:
+                filler_started.set()
+
+        filler = asyncio.create_task(
+            stream_completion(http, srv.url, request([1000 + i for i in range(880)], 60, 1), on_chunk=on_filler)
+        )
+        await filler_started.wait()
         st, body, headers = await post_action(http, srv.url, 0, "resume")
         assert_error(st, body, 503, "unavailable_error", "not enough free KV cells")
         assert headers.get("Retry-After") == "1"
         kv = await get_json(http, srv.url + "/kv")
         assert kv["slots"][0]["state"] == "parked" and kv["parked_bytes"] == parked["n_bytes"]
-        # make room: a short request on slot 1 replaces its long cached prompt
-        async with http.post(srv.url + "/completion", json=request("short", 4, 1)) as r:
-            assert r.status == 200
+        # once the filler is done, its cells are only a cached prompt: they give way to the resume
+        assert (await filler).status == 200
+        kv = await get_json(http, srv.url + "/kv")
+        assert kv["slots"][1]["state"] == "idle" and kv["n_cells_free"] < parked["n_cells"]
         st, body, _ = await post_action(http, srv.url, 0, "resume")
         assert st == 200, body
+        kv = await get_json(http, srv.url + "/kv")
+        assert kv["slots"][1]["n_cells"] == 0
         events.append("resumed")
 
     res = await stream_completion(http, srv.url, req, on_chunk=squeeze)

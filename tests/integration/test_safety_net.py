@@ -52,8 +52,9 @@ def assert_all_complete(results: list[StreamResult], n_predict: int) -> None:
     [(8192, 4, 4, 3000), (16384, 4, 4, 6000), (8192, 8, 8, 1500)],
     ids=["8k-4x3000", "16k-4x6000", "8k-8x1500"],
 )
-async def test_full_pool_completes_every_request(start_server: ServerFactory, http: aiohttp.ClientSession,
-                                                 n_ctx: int, n_slots: int, n_streams: int, n_predict: int) -> None:
+async def test_full_pool_completes_every_request(
+    start_server: ServerFactory, http: aiohttp.ClientSession, n_ctx: int, n_slots: int, n_streams: int, n_predict: int
+) -> None:
     srv = start_server("-c", str(n_ctx), "-np", str(n_slots), "-kvu", "--slots", "--metrics")
     results = await run_streams(http, srv.url, n_streams, n_predict)
     assert_all_complete(results, n_predict)
@@ -64,9 +65,9 @@ async def test_full_pool_completes_every_request(start_server: ServerFactory, ht
 
 
 @pytest.mark.parametrize("flag", [("--park-ram", "0"), ("--no-auto-park",)], ids=["park-ram-0", "no-auto-park"])
-async def test_without_the_safety_net_the_upstream_failure_returns(start_server: ServerFactory,
-                                                                   http: aiohttp.ClientSession,
-                                                                   flag: tuple[str, ...]) -> None:
+async def test_without_the_safety_net_the_upstream_failure_returns(
+    start_server: ServerFactory, http: aiohttp.ClientSession, flag: tuple[str, ...]
+) -> None:
     srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", *flag)
     results = await run_streams(http, srv.url, 4, 3000)
     errors = [r.error for r in results if r.error is not None]
@@ -86,8 +87,7 @@ async def test_long_prompt_arriving_near_a_full_pool(start_server: ServerFactory
     assert_all_complete(list(await asyncio.gather(*gens)), 2400)
 
 
-async def test_prefills_that_exceed_the_pool_together(start_server: ServerFactory,
-                                                      http: aiohttp.ClientSession) -> None:
+async def test_prefills_that_exceed_the_pool_together(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "-b", "256", "-ub", "256")
     assert srv.proc is not None
     proc = psutil.Process(srv.proc.pid)
@@ -114,10 +114,24 @@ async def test_park_test_interval_is_exact(start_server: ServerFactory, http: ai
     assert ref.comments.count("parked") == 0
 
 
-async def test_park_test_interval_with_a_draft_model(start_server: ServerFactory, tiny_model: Path,
-                                                     http: aiohttp.ClientSession) -> None:
-    args = ("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--model-draft", str(tiny_model),
-            "--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+async def test_park_test_interval_with_a_draft_model(
+    start_server: ServerFactory, tiny_model: Path, http: aiohttp.ClientSession
+) -> None:
+    args = (
+        "-c",
+        "4096",
+        "-np",
+        "2",
+        "-kvu",
+        "--slots",
+        "--metrics",
+        "--model-draft",
+        str(tiny_model),
+        "--spec-type",
+        "draft-simple",
+        "--spec-draft-n-max",
+        "4",
+    )
     ref_srv = start_server(*args)
     srv = start_server(*args, "--park-test-interval", "50")
     req = request("Forced parking with drafts", 1000)
@@ -131,8 +145,9 @@ async def test_park_test_interval_with_a_draft_model(start_server: ServerFactory
     assert m[key] == m_ref[key] > 0
 
 
-async def test_lapsed_lease_resumes_an_api_parked_request(start_server: ServerFactory,
-                                                          http: aiohttp.ClientSession) -> None:
+async def test_lapsed_lease_resumes_an_api_parked_request(
+    start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
     srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--park-lease", "3")
     t_parked: list[float] = []
 
@@ -161,8 +176,9 @@ async def test_lapsed_lease_resumes_an_api_parked_request(start_server: ServerFa
     assert res.comments.count("parked") == 1 and res.comments.count("resumed") == 1
 
 
-async def test_auto_parked_slots_wait_for_the_lease_holder(start_server: ServerFactory,
-                                                           http: aiohttp.ClientSession) -> None:
+async def test_auto_parked_slots_wait_for_the_lease_holder(
+    start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
     srv = start_server("-c", "2048", "-np", "2", "-kvu", "--slots", "--metrics", "--park-lease", "30")
     holding = True
     seen: dict[str, Any] = {}
@@ -177,8 +193,10 @@ async def test_auto_parked_slots_wait_for_the_lease_holder(start_server: ServerF
             await asyncio.sleep(0.1)
 
     ctl = asyncio.create_task(controller())
-    streams = [asyncio.create_task(stream_completion(http, srv.url, request(f"Lease holder {i}", 1500, id_slot=i)))
-               for i in range(2)]
+    streams = [
+        asyncio.create_task(stream_completion(http, srv.url, request(f"Lease holder {i}", 1500, id_slot=i)))
+        for i in range(2)
+    ]
     done, pending = await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)
     first = done.pop().result()
     assert_all_complete([first], 1500)
