@@ -34,7 +34,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SIZES", "SPEC_KEY", "LlamaSpec", "main", "write_llama"]
+__all__ = ["SIZES", "SPEC_KEY", "LlamaSpec", "Qwen35Spec", "main", "write_llama", "write_qwen35"]
 
 SPEC_KEY = "kvctl.testmodel.spec"
 
@@ -364,6 +364,131 @@ def write_llama(path: Path, vocab: Path, spec: LlamaSpec = LlamaSpec()) -> Path:
 
 
 # ---------------------------------------------------------------------------
+# qwen35: hybrid memory (gated delta net + attention) with an MTP layer
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Qwen35Spec:
+    """A tiny Qwen3.5 hybrid model with one MTP layer (shared/design/test-models.md).
+
+    Layers 0..2 are recurrent (gated delta net), layer 3 is full attention, layer 4 is the MTP
+    layer. The scales were measured so that ~42 % of MTP drafts are accepted while greedy output
+    stays context-dependent: all random weights would reject every draft.
+    """
+
+    seed: int = 0
+    n_ctx_train: int = 32768
+    # measured (CPU, greedy, 200 tokens): 1.0 -> 121 distinct ids, 45 % of drafts accepted;
+    # 3.0 -> 197 distinct ids, 61 % accepted; 0.3 -> 197 distinct, 13 % accepted
+    embd_std: float = 3.0  # token_embd and output
+    trunk_std: float = 0.05  # trunk hidden weights
+    mtp_std: float = 0.02  # MTP block weights
+    eh_mix_std: float = 0.1 / 8.0  # eh_proj's hidden half: a small mix on top of identity
+
+
+QWEN35_N_EMBD = 64
+QWEN35_N_FF = 128
+QWEN35_N_TRUNK = 4  # 3 recurrent + 1 attention
+QWEN35_HEAD_DIM = 32
+
+
+def write_qwen35(path: Path, vocab: Path, spec: Qwen35Spec = Qwen35Spec()) -> Path:
+    """Write a random-weight qwen35 GGUF with an MTP layer (skipped if already up to date).
+
+    ``vocab`` is llama.cpp's ggml-vocab-qwen35.gguf. Serve it with ``--spec-type draft-mtp``
+    (no draft model needed); without it the MTP tensors are skipped.
+    """
+    path = Path(path)
+    vocab = Path(vocab)
+    vocab_sha256 = _sha256(vocab)
+    stamp = _stamp("qwen35", spec, vocab_sha256)
+    n_embd, n_ff, hd = QWEN35_N_EMBD, QWEN35_N_FF, QWEN35_HEAD_DIM
+    n_head, n_head_kv = 4, 2
+    ssm_state, ssm_groups, ssm_rank, ssm_inner, ssm_kernel = 16, 2, 4, 64, 4
+    conv_dim = 2 * ssm_state * ssm_groups + ssm_inner  # q, k (per group) and v
+
+    def populate(w: gguf.GGUFWriter) -> None:
+        n_vocab = _copy_tokenizer(w, vocab, vocab_sha256)
+        a = "qwen35"
+        w.add_name("kvctl-testmodel-qwen35-mtp")
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_quantization_version(_QUANTIZATION_VERSION)
+        w.add_uint32(f"{a}.context_length", spec.n_ctx_train)
+        w.add_uint32(f"{a}.embedding_length", n_embd)
+        w.add_uint32(f"{a}.block_count", QWEN35_N_TRUNK + 1)
+        w.add_uint32(f"{a}.nextn_predict_layers", 1)
+        w.add_uint32(f"{a}.full_attention_interval", 4)
+        w.add_uint32(f"{a}.feed_forward_length", n_ff)
+        w.add_uint32(f"{a}.attention.head_count", n_head)
+        w.add_uint32(f"{a}.attention.head_count_kv", n_head_kv)
+        w.add_uint32(f"{a}.attention.key_length", hd)
+        w.add_uint32(f"{a}.attention.value_length", hd)
+        w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_uint32(f"{a}.rope.dimension_count", 8)
+        w.add_array(f"{a}.rope.dimension_sections", [2, 1, 1, 0])
+        w.add_float32(f"{a}.rope.freq_base", 1e7)
+        w.add_uint32(f"{a}.ssm.conv_kernel", ssm_kernel)
+        w.add_uint32(f"{a}.ssm.state_size", ssm_state)
+        w.add_uint32(f"{a}.ssm.group_count", ssm_groups)
+        w.add_uint32(f"{a}.ssm.time_step_rank", ssm_rank)
+        w.add_uint32(f"{a}.ssm.inner_size", ssm_inner)
+        w.add_uint32(f"{a}.vocab_size", n_vocab)
+
+        rng = np.random.default_rng(spec.seed)
+        ones = np.ones(n_embd, dtype=np.float32)
+
+        def t(name: str, shape: tuple[int, ...], std: float) -> None:
+            w.add_tensor(name, _normal(rng, shape, std))
+
+        def attention(i: int, std: float) -> None:
+            t(f"blk.{i}.attn_q.weight", (2 * n_head * hd, n_embd), std)  # query and its gate
+            t(f"blk.{i}.attn_k.weight", (n_head_kv * hd, n_embd), std)
+            t(f"blk.{i}.attn_v.weight", (n_head_kv * hd, n_embd), std)
+            t(f"blk.{i}.attn_output.weight", (n_embd, n_head * hd), std)
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(hd, dtype=np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(hd, dtype=np.float32))
+
+        def block(i: int, std: float) -> None:
+            w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+            w.add_tensor(f"blk.{i}.post_attention_norm.weight", ones)
+            t(f"blk.{i}.ffn_gate.weight", (n_ff, n_embd), std)
+            t(f"blk.{i}.ffn_up.weight", (n_ff, n_embd), std)
+            t(f"blk.{i}.ffn_down.weight", (n_embd, n_ff), std)
+
+        t("token_embd.weight", (n_vocab, n_embd), spec.embd_std)
+        for i in range(QWEN35_N_TRUNK):
+            block(i, spec.trunk_std)
+            if i < QWEN35_N_TRUNK - 1:  # gated delta net
+                t(f"blk.{i}.attn_qkv.weight", (conv_dim, n_embd), spec.trunk_std)
+                t(f"blk.{i}.attn_gate.weight", (ssm_inner, n_embd), spec.trunk_std)
+                t(f"blk.{i}.ssm_conv1d.weight", (conv_dim, ssm_kernel), spec.trunk_std)
+                w.add_tensor(f"blk.{i}.ssm_dt.bias", np.zeros(ssm_rank, dtype=np.float32))
+                w.add_tensor(f"blk.{i}.ssm_a", -rng.uniform(1.0, 16.0, ssm_rank).astype(np.float32))
+                t(f"blk.{i}.ssm_beta.weight", (ssm_rank, n_embd), spec.trunk_std)
+                t(f"blk.{i}.ssm_alpha.weight", (ssm_rank, n_embd), spec.trunk_std)
+                w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones(ssm_state, dtype=np.float32))
+                t(f"blk.{i}.ssm_out.weight", (n_embd, ssm_inner), spec.trunk_std)
+            else:
+                attention(i, spec.trunk_std)
+        mtp = QWEN35_N_TRUNK
+        block(mtp, spec.mtp_std)
+        attention(mtp, spec.mtp_std)
+        # the MTP layer sees concat(embedding, hidden): identity on the embedding half makes its
+        # drafts follow the trunk often enough to be accepted sometimes
+        eh = np.zeros((n_embd, 2 * n_embd), dtype=np.float32)
+        eh[:, :n_embd] = np.eye(n_embd, dtype=np.float32)
+        eh[:, n_embd:] = _normal(rng, (n_embd, n_embd), spec.eh_mix_std)
+        w.add_tensor(f"blk.{mtp}.nextn.eh_proj.weight", eh)
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            w.add_tensor(f"blk.{mtp}.nextn.{norm}.weight", ones)
+        w.add_tensor("output_norm.weight", ones)
+        t("output.weight", (n_vocab, n_embd), spec.embd_std)
+
+    return _write_model(path, "qwen35", stamp, populate)
+
+
+# ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
 
@@ -407,6 +532,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="base size (default: tiny)",
     )
     _add_spec_overrides(llama, LlamaSpec())
+
+    qwen = sub.add_parser(
+        "qwen35", help="tiny Qwen3.5 hybrid model with an MTP layer (serve with --spec-type draft-mtp)"
+    )
+    qwen.add_argument("--vocab", type=Path, required=True, help="ggml-vocab-qwen35.gguf")
+    qwen.add_argument("--out", type=Path, required=True, help="output GGUF path")
+    _add_spec_overrides(qwen, Qwen35Spec())
     return parser
 
 
@@ -424,6 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         out = write_llama(args.out, args.vocab, spec)
         elapsed = time.monotonic() - t0
         print(f"{out}: {out.stat().st_size} bytes, {elapsed:.2f}s, spec={spec}")
+        return 0
+    if args.arch == "qwen35":
+        if not args.vocab.is_file():
+            parser.error(f"vocab file not found: {args.vocab}")
+        qspec = dataclasses.replace(Qwen35Spec(), **_overrides(args, Qwen35Spec()))
+        out = write_qwen35(args.out, args.vocab, qspec)
+        print(f"{out}: {out.stat().st_size} bytes, spec={qspec}")
         return 0
     parser.error(f"unknown architecture {args.arch!r}")
 

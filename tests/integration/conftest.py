@@ -90,3 +90,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         yield session
+
+
+@pytest.fixture(scope="session")
+def qwen35_model(models_dir: Path, vocab_dir: Path) -> Path:
+    """Tiny Qwen3.5 hybrid model with an MTP layer: serve with --spec-type draft-mtp."""
+    return testmodels.write_qwen35(models_dir / "qwen35-mtp.gguf", vocab_dir / "ggml-vocab-qwen35.gguf")
