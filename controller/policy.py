@@ -1,0 +1,489 @@
+"""The watermark policy: a snapshot in, ordered park and restore actions out, each with its reason.
+
+Pure functions: no I/O and no clock (the time comes in with the snapshot), so the same input
+always gives the same decision, whatever order the slots are listed in.
+
+Projected occupancy of a pool = (cells held by requests in progress + the cells the next decode step
+may add) / pool cells, for the target pool and for the draft pool when there is one; the pressure is
+the larger. Cells held by *idle* slots are left out: they are only a prompt cache, which the server
+clears before a decode step fails (upstream's idle-slot clearing, the safety net's second rung) and
+before a resume lacks room.
+
+* At or above HIGH, park victims until the projection is below HIGH: newest first (latest
+  ``t_arrival_ms``, ties by ``id_task``), passing over requests parked before while another
+  candidate exists; never the largest resident request; never one whose snapshot would exceed
+  the remaining snapshot budget or the host-RAM headroom.
+* Restore while the projection after restoring (the request's cells, its next-step cells and a
+  margin) stays at or below LOW. Default order: head-of-line by park time (``fifo``), so a later
+  request never overtakes the longest-waiting one. The seed's order (most-parked, then
+  longest-waiting, passing over what does not fit) is the ``seed`` option.
+* No request waits forever: when nothing is resident, the head is restored if it fits the pool
+  alone; when the head has waited longer than ``max_wait``, it is restored below HIGH, LOW
+  notwithstanding, parking newer requests to make room if it must. A request that cannot fit the
+  pool even alone is ended.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from controller.settings import MiB, PolicySettings, RestoreOrder
+from controller.upstream.models import KvSnapshot, Slot, SlotState
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Admission",
+    "Decision",
+    "PolicyConfig",
+    "PolicyInput",
+    "Pressure",
+    "Reason",
+    "Skip",
+    "SkipReason",
+    "TaskHistory",
+    "admission",
+    "decide",
+    "largest_resident",
+    "pressure",
+]
+
+
+class ActionKind(StrEnum):
+    PARK = "park"
+    RESUME = "resume"
+    END = "end"
+
+
+class Reason(StrEnum):
+    """Why an action was taken."""
+
+    PRESSURE = "pressure"
+    """park: the projected occupancy is at or above HIGH."""
+    MAKE_ROOM = "make_room"
+    """park: room for a request that has waited longer than max_wait."""
+    BELOW_LOW = "below_low"
+    """resume: the projection after restoring stays at or below LOW."""
+    NOTHING_RESIDENT = "nothing_resident"
+    """resume: nothing else holds cells and the request fits the pool alone."""
+    STARVATION = "starvation"
+    """resume: the head of the restore order waited longer than max_wait; restored below HIGH."""
+    CANNOT_FIT = "cannot_fit"
+    """end: the request needs more cells than the pool holds, even alone."""
+    MANUAL = "manual"
+    """park or resume asked for through the admin API (never produced by the policy)."""
+
+
+class SkipReason(StrEnum):
+    """Why a candidate was passed over."""
+
+    LARGEST = "largest"
+    BUDGET = "budget"
+    HOST_RAM = "host_ram"
+    UNRESOLVED = "unresolved"
+    """still at or above HIGH after every candidate: the server's safety net covers the rest."""
+    ABOVE_LOW = "above_low"
+    NO_FREE_CELLS = "no_free_cells"
+    GPU_PRESSURE = "gpu_pressure"
+    HEAD_OF_LINE = "head_of_line"
+    PINNED = "pinned"
+    NO_ROOM = "no_room"
+    """a starving head that no permitted park can make room for."""
+    AWAIT_EMPTY_POOL = "await_empty_pool"
+    """cannot fit the pool even alone; ended once nothing else is resident."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskHistory:
+    """What the controller remembers about one task (forgotten when the task or the server goes)."""
+
+    parks: int = 0
+    """Times this controller parked it."""
+    pinned: bool = False
+    """Parked by hand: the policy leaves it parked until it is resumed by hand."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    high: float = 0.94
+    low: float = 0.80
+    budget_bytes: int = 8192 * MiB
+    host_reserve_bytes: int = 1024 * MiB
+    margin_cells: int = 16
+    order: RestoreOrder = RestoreOrder.FIFO
+    max_wait_ms: int = 30_000
+    gpu_floor_bytes: int = 256 * MiB
+
+    @classmethod
+    def from_settings(cls, s: PolicySettings) -> PolicyConfig:
+        return cls(
+            high=s.high,
+            low=s.low,
+            budget_bytes=s.snapshot_budget_mib * MiB,
+            host_reserve_bytes=s.host_ram_reserve_mib * MiB,
+            margin_cells=s.restore_margin_cells,
+            order=s.restore_order,
+            max_wait_ms=int(s.max_wait_s * 1000),
+            gpu_floor_bytes=s.gpu_free_floor_mib * MiB,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInput:
+    kv: KvSnapshot
+    now_ms: int
+    """Wall-clock epoch milliseconds, the clock of the server's ``parked_since_ms``."""
+    history: Mapping[int, TaskHistory] = field(default_factory=dict)
+    """By ``id_task``."""
+    host_available_bytes: int | None = None
+    """psutil's available memory; None: unknown, no host-RAM limit."""
+    gpu_free_bytes: int | None = None
+    """The tightest GPU's free memory; None: no GPU (NVML absent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pressure:
+    target: float
+    """Projected occupancy of the target pool."""
+    draft: float | None
+    """Projected occupancy of the draft pool, when there is one."""
+    gpu_low: bool = False
+    """A GPU's free memory is under the floor."""
+
+    @property
+    def value(self) -> float:
+        return self.target if self.draft is None else max(self.target, self.draft)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: ActionKind
+    slot: int
+    id_task: int
+    reason: Reason
+    n_cells: int
+    n_bytes: int
+    """The snapshot's size, n_cells x bytes_per_cell."""
+    projected_after: float
+    """The pressure this decision expects once the action is done."""
+    waited_ms: int | None = None
+    """For resume and end: how long the request has been parked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    kind: ActionKind
+    slot: int
+    id_task: int
+    reason: SkipReason
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pressure: Pressure
+    actions: tuple[Action, ...] = ()
+    skipped: tuple[Skip, ...] = ()
+    projected_after: float = 0.0
+
+    @property
+    def parks(self) -> tuple[Action, ...]:
+        return tuple(a for a in self.actions if a.kind is ActionKind.PARK)
+
+    @property
+    def resumes(self) -> tuple[Action, ...]:
+        return tuple(a for a in self.actions if a.kind is ActionKind.RESUME)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    admit: bool
+    reason: str
+
+
+# --- accounting --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Pool:
+    """Cell accounting of one decision, updated as actions are planned."""
+
+    n_target: int
+    used_target: int  # physically used, idle caches included
+    n_draft: int | None
+    used_draft: int
+    idle: int  # cells held by idle slots: a prompt cache the server clears when a step or a resume needs room
+    step: int  # cells the next decode step may add
+
+    def ratio(self, extra_cells: int = 0, extra_step: int = 0) -> float:
+        active = max(0, self.used_target - self.idle) + extra_cells
+        step = max(0, self.step + extra_step)
+        r = (active + step) / self.n_target
+        if self.n_draft:
+            r = max(r, (max(0, self.used_draft - self.idle) + extra_cells + step) / self.n_draft)
+        return r
+
+    def free(self) -> int:
+        """Cells a resume can have: the free ones and those of idle slots, which a resume clears."""
+        free = self.n_target - self.used_target + self.idle
+        if self.n_draft:
+            free = min(free, self.n_draft - self.used_draft + self.idle)
+        return free
+
+    def capacity(self) -> int:
+        return self.n_target if not self.n_draft else min(self.n_target, self.n_draft)
+
+    def remove(self, slot: Slot) -> None:
+        self.used_target = max(0, self.used_target - slot.n_cells)
+        self.used_draft = max(0, self.used_draft - slot.n_cells)  # the draft sequence mirrors the target's
+        if slot.state is SlotState.GENERATING:
+            self.step = max(0, self.step - _step_cells(slot))
+
+    def add(self, slot: Slot) -> None:
+        self.used_target += slot.n_cells
+        self.used_draft += slot.n_cells
+        self.step += _step_cells(slot)
+
+
+def _step_cells(slot: Slot) -> int:
+    """What a generating request adds in one decode step: a token and its drafts."""
+    return 1 + max(0, slot.n_draft_max)
+
+
+def _pool(kv: KvSnapshot) -> _Pool:
+    idle = sum(s.n_cells for s in kv.slots if s.state is SlotState.IDLE)
+    return _Pool(
+        n_target=kv.n_cells,
+        used_target=kv.n_cells_used,
+        n_draft=kv.draft.n_cells if kv.draft is not None and kv.draft.n_cells > 0 else None,
+        used_draft=kv.draft.n_cells_used if kv.draft is not None else 0,
+        idle=idle,
+        step=kv.next_step.n_total_max,
+    )
+
+
+def pressure(kv: KvSnapshot, gpu_low: bool = False) -> Pressure:
+    """Projected occupancy of the target and draft pools (see the module docstring)."""
+    if kv.n_cells <= 0:
+        return Pressure(0.0, None, gpu_low)
+    pool = _pool(kv)
+    target = (max(0, pool.used_target - pool.idle) + pool.step) / pool.n_target
+    draft = None
+    if pool.n_draft:
+        draft = (max(0, pool.used_draft - pool.idle) + pool.step) / pool.n_draft
+    return Pressure(target, draft, gpu_low)
+
+
+def _arrival(slot: Slot) -> int:
+    return slot.t_arrival_ms if slot.t_arrival_ms is not None else 0
+
+
+def _task(slot: Slot) -> int:
+    return slot.id_task if slot.id_task is not None else -1
+
+
+def largest_resident(slots: Sequence[Slot]) -> Slot | None:
+    """The request holding the most cells; ties go to the oldest (it has waited for its cells longest)."""
+    resident = [s for s in slots if s.is_resident]
+    if not resident:
+        return None
+    return max(resident, key=lambda s: (s.n_cells, -_arrival(s), -_task(s), -s.id))
+
+
+@dataclass(slots=True)
+class _Plan:
+    cfg: PolicyConfig
+    inp: PolicyInput
+    pool: _Pool
+    budget_left: float
+    host_left: float
+    protected: Slot | None
+    residents: list[Slot]
+    actions: list[Action] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+
+    def history(self, slot: Slot) -> TaskHistory:
+        return self.inp.history.get(_task(slot), TaskHistory())
+
+    def parked_before(self, slot: Slot) -> bool:
+        return slot.park.count > 0 or self.history(slot).parks > 0
+
+    def victims(self) -> list[Slot]:
+        """Park candidates in order: never parked before first, then newest first."""
+        cands = [s for s in self.residents if s.state is SlotState.GENERATING and s.id_task is not None]
+        return sorted(cands, key=lambda s: (self.parked_before(s), -_arrival(s), -_task(s), -s.id))
+
+    def park_until(self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool) -> bool:
+        """Park victims in order until ``done()``. With ``all_or_nothing``, nothing is planned unless it gets there."""
+        saved = (replace(self.pool), self.budget_left, self.host_left, list(self.residents))
+        planned: list[Action] = []
+        skips: list[Skip] = []
+        for slot in self.victims():
+            if done():
+                break
+            if self.protected is not None and slot.id == self.protected.id:
+                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.LARGEST))
+                continue
+            n_bytes = slot.n_cells * self.inp.kv.bytes_per_cell
+            if n_bytes > self.budget_left:
+                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.BUDGET))
+                continue
+            if n_bytes > self.host_left:
+                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.HOST_RAM))
+                continue
+            self.pool.remove(slot)
+            self.residents.remove(slot)
+            self.budget_left -= n_bytes
+            self.host_left -= n_bytes
+            planned.append(
+                Action(ActionKind.PARK, slot.id, _task(slot), reason, slot.n_cells, n_bytes, self.pool.ratio())
+            )
+        if all_or_nothing and not done():
+            self.pool, self.budget_left, self.host_left, self.residents = saved
+            return False
+        self.skipped.extend(skips)
+        self.actions.extend(planned)
+        return done()
+
+
+def _restore_order(cfg: PolicyConfig, waiting: list[Slot]) -> list[Slot]:
+    def since(s: Slot) -> int:
+        return s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
+
+    if cfg.order is RestoreOrder.SEED:
+        return sorted(waiting, key=lambda s: (-s.park.count, since(s), _task(s), s.id))
+    return sorted(waiting, key=lambda s: (since(s), _task(s), s.id))
+
+
+def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
+    """Park and restore actions for one snapshot, in the order they should be carried out."""
+    kv = inp.kv
+    gpu_low = inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes
+    start = pressure(kv, gpu_low)
+    if kv.n_cells <= 0:
+        return Decision(start, projected_after=start.value)
+
+    server_budget = kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else math.inf
+    host_left: float = math.inf
+    if inp.host_available_bytes is not None:
+        host_left = max(0, inp.host_available_bytes - cfg.host_reserve_bytes)
+    slots = sorted(kv.slots, key=lambda s: s.id)
+    plan = _Plan(
+        cfg=cfg,
+        inp=inp,
+        pool=_pool(kv),
+        budget_left=max(0.0, min(cfg.budget_bytes, server_budget) - kv.parked_bytes),
+        host_left=host_left,
+        protected=largest_resident(slots),
+        residents=[s for s in slots if s.is_resident],
+    )
+
+    # 1. at or above HIGH: park until below it
+    if plan.pool.ratio() >= cfg.high:
+        # when even every permitted park leaves it at or above HIGH, they are still worth doing:
+        # the oldest requests get the room to finish, and the server's safety net covers the rest
+        if not plan.park_until(lambda: plan.pool.ratio() < cfg.high, Reason.PRESSURE, all_or_nothing=False):
+            plan.skipped.append(Skip(ActionKind.PARK, -1, -1, SkipReason.UNRESOLVED))
+        if plan.actions:
+            return Decision(start, tuple(plan.actions), tuple(plan.skipped), plan.pool.ratio())
+
+    # 2. restore, in order
+    waiting = []
+    for s in slots:
+        if s.state is not SlotState.PARKED or s.id_task is None:
+            continue
+        if plan.history(s).pinned:
+            plan.skipped.append(Skip(ActionKind.RESUME, s.id, _task(s), SkipReason.PINNED))
+        else:
+            waiting.append(s)
+    blocked = False
+    head_seen = False
+    for s in _restore_order(cfg, waiting):
+        task = _task(s)
+        waited = inp.now_ms - s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
+        if s.n_cells + 1 > plan.pool.capacity():
+            if not plan.residents:
+                plan.actions.append(
+                    Action(ActionKind.END, s.id, task, Reason.CANNOT_FIT, s.n_cells, 0, plan.pool.ratio(), waited)
+                )
+            else:
+                plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.AWAIT_EMPTY_POOL))
+            continue  # it can never be restored: it must not hold up the others
+        if blocked:
+            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.HEAD_OF_LINE))
+            continue
+        is_head, head_seen = not head_seen, True
+        step = _step_cells(s)
+        after = plan.pool.ratio(s.n_cells, step + cfg.margin_cells)
+        fits_free = s.n_cells <= plan.pool.free()
+        if fits_free and not gpu_low and after <= cfg.low:
+            _resume(plan, s, Reason.BELOW_LOW, waited)
+            continue
+        if fits_free and not plan.residents:
+            _resume(plan, s, Reason.NOTHING_RESIDENT, waited)
+            continue
+        if is_head and waited >= cfg.max_wait_ms:
+            if _restore_starving(plan, s, waited):
+                continue
+            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.NO_ROOM))
+        elif not fits_free:
+            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.NO_FREE_CELLS))
+        elif gpu_low:
+            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.GPU_PRESSURE))
+        else:
+            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.ABOVE_LOW))
+        if cfg.order is RestoreOrder.FIFO:
+            blocked = True  # head-of-line: nobody overtakes the request parked longest
+    return Decision(start, tuple(plan.actions), tuple(plan.skipped), plan.pool.ratio())
+
+
+def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
+    plan.pool.add(slot)
+    plan.residents.append(slot)  # resident from now on; still PARKED in state, so never a victim of this decision
+    plan.actions.append(
+        Action(
+            ActionKind.RESUME,
+            slot.id,
+            _task(slot),
+            reason,
+            slot.n_cells,
+            slot.n_cells * plan.inp.kv.bytes_per_cell,
+            plan.pool.ratio(),
+            waited,
+        )
+    )
+
+
+def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
+    """Restore a head that waited too long below HIGH, parking newer requests to make room."""
+    high = plan.cfg.high
+    step = _step_cells(slot)
+
+    def fits() -> bool:
+        return slot.n_cells <= plan.pool.free() and plan.pool.ratio(slot.n_cells, step) < high
+
+    if not fits() and not plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True):
+        return False
+    _resume(plan, slot, Reason.STARVATION, waited)
+    return True
+
+
+def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admission:
+    """Whether a new request may start now (asked by the proxy): parked requests are restored first."""
+    kv = inp.kv
+    waiting = [
+        s for s in kv.slots if s.state is SlotState.PARKED and not inp.history.get(_task(s), TaskHistory()).pinned
+    ]
+    if waiting:
+        return Admission(False, "parked requests are restored first")
+    if kv.n_cells <= 0:
+        return Admission(True, "pool size unknown")
+    pool = _pool(kv)
+    resident = any(s.is_resident for s in kv.slots)
+    if inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes and resident:
+        return Admission(False, "GPU memory under the floor")
+    if resident and pool.ratio(n_prompt_cells, 1) >= cfg.high:
+        return Admission(False, "the pool would reach HIGH")
+    return Admission(True, "room")

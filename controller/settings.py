@@ -1,0 +1,425 @@
+"""kvctl's settings: nested groups, each field documented with its unit and why its default.
+
+Sources, highest first: command-line flags, ``KVCTL_*`` environment variables (nested with ``__``,
+e.g. ``KVCTL_POLICY__HIGH=0.9``), an optional TOML file (``--config``; tables named after the
+groups), then the defaults below. An invalid value stops start-up with one line naming the setting.
+
+``python -m controller.settings --markdown`` prints the settings table of the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+__all__ = [
+    "AdminSettings",
+    "HostPort",
+    "LogSettings",
+    "LoopSettings",
+    "PolicySettings",
+    "ProxySettings",
+    "RestoreOrder",
+    "Settings",
+    "SettingsError",
+    "SupervisorSettings",
+    "UpstreamSettings",
+    "load_settings",
+    "markdown_table",
+    "split_host_port",
+]
+
+ENV_PREFIX = "KVCTL_"
+MiB = 1024 * 1024
+
+
+class SettingsError(Exception):
+    """An invalid setting; ``str()`` is one line that names it."""
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; ValueError when malformed."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = int(port_s)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0..65535, got {port}")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_host_port(value: str) -> str:
+    split_host_port(value)
+    return value
+
+
+HostPort = Annotated[str, AfterValidator(_check_host_port)]
+"""``HOST:PORT``; port 0 picks a free port (tests)."""
+
+
+class _Group(BaseModel):
+    # attribute docstrings become field descriptions: the README table is generated from them
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class UpstreamSettings(_Group):
+    """The patched llama-server kvctl drives."""
+
+    url: HttpUrl = HttpUrl("http://127.0.0.1:8081")
+    """Base URL of the patched llama-server. Port 8081 leaves 8080, llama-server's own default, to kvctl's proxy."""
+
+    api_key: SecretStr | None = None
+    """Bearer token for a server started with `--api-key`; sent on every request and never logged."""
+
+    timeout_s: float = Field(default=2.0, gt=0)
+    """Seconds one request to the server may take. A park waits for the next quiescent point of the main loop, which
+    takes one decode step (milliseconds); 2 s leaves room for a slow step yet stays well inside the lease."""
+
+    lease_s: float = Field(default=10.0, gt=0)
+    """The server's `--park-lease` in seconds (its default: 10). Every request renews the lease; the back-off and the
+    request timeout are checked against it, so that a struggling controller does not let the lease lapse."""
+
+
+class ProxySettings(_Group):
+    """The client-facing reverse proxy (a later issue; clients talk to the server directly until then)."""
+
+    listen: HostPort = "127.0.0.1:8080"
+    """Where clients connect. 8080 is llama-server's own default, so clients need no change when kvctl fronts it."""
+
+
+class AdminSettings(_Group):
+    """The admin listener: status, metrics, probes and manual park/resume."""
+
+    listen: HostPort = "127.0.0.1:8091"
+    """Where the admin API listens. Loopback by default: it can park and resume requests."""
+
+    token: SecretStr | None = None
+    """Bearer token required by every admin route but `/healthz` and `/readyz`; mandatory when `listen` is not a
+    loopback address."""
+
+    unready_after_s: float = Field(default=2.0, ge=0)
+    """Seconds the pool must stay saturated (at or above HIGH with requests waiting to be restored) before `/readyz`
+    turns 503. One crossing of HIGH lasts a poll or two; a load balancer should not see it."""
+
+    ready_after_s: float = Field(default=5.0, ge=0)
+    """Seconds the pool must stay relieved (at or below LOW, or nobody waiting) before `/readyz` turns 200 again;
+    longer than `unready_after_s` so readiness does not flap."""
+
+
+class RestoreOrder(StrEnum):
+    """Which parked request is restored first."""
+
+    FIFO = "fifo"
+    """Head-of-line by park time: a later request never overtakes the one parked longest, so every wait is bounded."""
+    SEED = "seed"
+    """The seed PR's order: most-parked first, then longest-waiting; a request that does not fit is passed over."""
+
+
+class PolicySettings(_Group):
+    """The watermark policy (see README, "The controller")."""
+
+    high: float = Field(default=0.94, gt=0, lt=1)
+    """Park at or above this projected occupancy (ratio of the pool). The 6 % above it (491 cells of 8192) must hold
+    one poll's worst-case growth: every generating slot's next token and drafts per decode step times the steps in
+    one poll, plus a prefill chunk; the server's safety net covers what a poll misses."""
+
+    low: float = Field(default=0.80, gt=0, lt=1)
+    """Restore while the projected occupancy after restoring stays at or below this ratio. The gap to HIGH is the
+    hysteresis that keeps a restored request from being parked again at once."""
+
+    snapshot_budget_mib: int = Field(default=8192, ge=0)
+    """Host RAM in MiB that parked snapshots may hold (the smaller of this and the server's `--park-ram` applies);
+    the seed's 8192 MiB. 0 stops kvctl from parking."""
+
+    host_ram_reserve_mib: int = Field(default=1024, ge=0)
+    """Host RAM in MiB never used for snapshots: a park needs the host's available memory minus this reserve, so a
+    park cannot push the host into swapping or the OOM killer."""
+
+    restore_margin_cells: int = Field(default=16, ge=0)
+    """Cells added to a restored request's own cells and next-step cells when checking LOW: a few decode steps of
+    growth before the next poll sees it."""
+
+    restore_order: RestoreOrder = RestoreOrder.FIFO
+    """`fifo` (default; bounds every wait) or `seed` (most-parked, then longest-waiting; for comparison)."""
+
+    max_wait_s: float = Field(default=30.0, gt=0)
+    """Seconds the head of the restore order may wait before it is restored above LOW (up to HIGH, parking newer
+    requests to make room if needed). Long enough that rotation costs little, short enough that no chat stalls
+    noticeably longer than a slow tool call."""
+
+    gpu_free_floor_mib: int = Field(default=256, ge=0)
+    """With a GPU: free device memory (MiB, NVML) under this counts as pressure and holds restores back. 256 MiB
+    leaves room for CUDA's own scratch allocations. Ignored when NVML is absent."""
+
+    @field_validator("low")
+    @classmethod
+    def _low_below_high(cls, low: float, info: ValidationInfo) -> float:
+        high = info.data.get("high")
+        if high is not None and low >= high:
+            raise ValueError(f"must be below policy.high ({high})")
+        return low
+
+
+class LoopSettings(_Group):
+    """The control loop: poll, decide, act, record."""
+
+    poll_interval_s: float = Field(default=0.05, gt=0)
+    """Seconds between two polls of `GET /kv`. The headroom above HIGH must cover the growth of one interval (at
+    ~20 steps/s and 4 slots, 50 ms is ~4 cells plus a prefill chunk); polling every decode step would cost the server
+    more than it saves, and the server's safety net covers the rest."""
+
+    backoff_initial_s: float = Field(default=0.1, gt=0)
+    """First back-off in seconds after the server failed to answer; doubled on each further failure."""
+
+    backoff_max_s: float = Field(default=4.0, gt=0)
+    """Longest back-off in seconds. Must stay under half the lease (`upstream.lease_s`), so a server that comes back
+    finds the controller polling before the lease lapses."""
+
+    restart_delay_s: float = Field(default=1.0, gt=0)
+    """Seconds before the loop restarts after an unexpected exception (logged with its traceback)."""
+
+
+class SupervisorSettings(_Group):
+    """Starting and supervising llama-server (`kvctl run --spawn -- ARGV`)."""
+
+    spawn: list[str] | None = None
+    """The llama-server command line to start and supervise; unset: attach to a server started elsewhere."""
+
+    ready_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds a spawned server may take to answer `/health` with 200: loading a large model from disk takes minutes."""
+
+    health_interval_s: float = Field(default=0.25, gt=0)
+    """Seconds between two `/health` probes while the server starts."""
+
+    stop_timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds between SIGTERM and SIGKILL of the server's process group: llama-server stops in well under a second
+    unless a decode step is stuck."""
+
+    restart_backoff_initial_s: float = Field(default=1.0, gt=0)
+    """First delay in seconds before restarting a server that exited; doubled on each further exit."""
+
+    restart_backoff_max_s: float = Field(default=30.0, gt=0)
+    """Longest restart delay in seconds, so a crash loop costs little yet recovers soon after its cause is fixed."""
+
+    stable_after_s: float = Field(default=60.0, gt=0)
+    """Seconds a server must stay ready before its restart delay resets to the initial one."""
+
+    log_file: Path | None = None
+    """Append the server's stdout and stderr to this file; unset: inherit kvctl's."""
+
+    @field_validator("spawn")
+    @classmethod
+    def _argv_not_empty(cls, spawn: list[str] | None) -> list[str] | None:
+        if spawn is not None and not spawn:
+            raise ValueError("the server command line is empty")
+        return spawn
+
+
+class LogFormat(StrEnum):
+    AUTO = "auto"
+    JSON = "json"
+    CONSOLE = "console"
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogSettings(_Group):
+    """Logging (structlog)."""
+
+    level: LogLevel = LogLevel.INFO
+    """Lowest level logged. `info` logs every decision with its reason, which is what an operator reads."""
+
+    format: LogFormat = LogFormat.AUTO
+    """`json` lines, a readable `console`, or `auto`: console on a terminal, JSON otherwise (journald, files)."""
+
+
+class Settings(BaseSettings):
+    """Everything kvctl can be told."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+    upstream: UpstreamSettings = UpstreamSettings()
+    proxy: ProxySettings = ProxySettings()
+    admin: AdminSettings = AdminSettings()
+    policy: PolicySettings = PolicySettings()
+    loop: LoopSettings = LoopSettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
+    log: LogSettings = LogSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # flags > environment > TOML file > defaults; no .env files: systemd and shells own the environment
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Settings:
+        lease = self.upstream.lease_s
+        if self.loop.backoff_max_s >= lease / 2:
+            raise _named("loop.backoff_max_s", f"must be under half the lease, upstream.lease_s / 2 = {lease / 2:g}")
+        if self.loop.backoff_initial_s > self.loop.backoff_max_s:
+            raise _named("loop.backoff_initial_s", f"must not exceed loop.backoff_max_s ({self.loop.backoff_max_s})")
+        if self.loop.poll_interval_s >= lease / 2:
+            raise _named("loop.poll_interval_s", f"must be under half the lease ({lease / 2:g})")
+        if self.upstream.timeout_s >= lease / 2:
+            raise _named("upstream.timeout_s", f"must be under half the lease ({lease / 2:g})")
+        sup = self.supervisor
+        if sup.restart_backoff_initial_s > sup.restart_backoff_max_s:
+            raise _named("supervisor.restart_backoff_initial_s", "must not exceed supervisor.restart_backoff_max_s")
+        host, _ = split_host_port(self.admin.listen)
+        if not is_loopback(host) and self.admin.token is None:
+            raise _named("admin.token", f"is required when admin.listen ({self.admin.listen}) is not loopback")
+        return self
+
+
+class _NamedError(ValueError):
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def _named(name: str, message: str) -> _NamedError:
+    return _NamedError(name, message)
+
+
+def env_name(dotted: str) -> str:
+    return ENV_PREFIX + dotted.replace(".", "__").upper()
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _NamedError):
+            parts.append(f"invalid setting {ctx_err.name} ({env_name(ctx_err.name)}): {ctx_err}")
+            continue
+        name = ".".join(str(p) for p in err["loc"]) or "settings"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown setting {name}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        secret = name.endswith(("token", "api_key"))
+        shown = repr(err.get("input"))
+        got = "" if secret or isinstance(err.get("input"), dict) or shown in msg else f", got {shown}"
+        parts.append(f"invalid setting {name} ({env_name(name)}): {msg}{got}")
+    return "; ".join(parts)
+
+
+def load_settings(config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Settings from flags (``overrides``, nested dicts), the environment and an optional TOML file.
+
+    Raises SettingsError with one line naming each invalid setting.
+    """
+    cls: type[Settings] = Settings
+    if config_file is not None:
+        try:
+            with config_file.open("rb") as f:
+                tomllib.load(f)  # a parse error should name the file, not surface as a missing setting
+        except OSError as e:
+            raise SettingsError(f"cannot read config file {config_file}: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"invalid config file {config_file}: {e}") from e
+
+        class FromFile(Settings):
+            model_config = SettingsConfigDict(toml_file=config_file)
+
+        cls = FromFile
+    try:
+        return cls(**dict(overrides or {}))
+    except ValidationError as e:
+        raise SettingsError(_describe(e)) from None
+
+
+# --- documentation ---------------------------------------------------------------------------
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, SecretStr):
+        return "(secret)"
+    if isinstance(value, StrEnum):
+        return f"`{value.value}`"
+    return f"`{value}`"
+
+
+def markdown_table() -> str:
+    """The settings table for the README, from the model itself."""
+    rows = ["| setting | environment | default | meaning |", "|---|---|---|---|"]
+    for group_name, group_field in Settings.model_fields.items():
+        group = group_field.annotation
+        assert isinstance(group, type) and issubclass(group, BaseModel)
+        for name, field in group.model_fields.items():
+            dotted = f"{group_name}.{name}"
+            desc = " ".join((field.description or "").split())
+            rows.append(f"| `{dotted}` | `{env_name(dotted)}` | {_default_text(field.default)} | {desc} |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m controller.settings", description=__doc__)
+    parser.add_argument("--markdown", action="store_true", help="print the README's settings table")
+    parser.add_argument("--config", type=Path, help="check a TOML file (and the environment) and print the result")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table())
+        return 0
+    try:
+        settings = load_settings(args.config)
+    except SettingsError as e:
+        print(f"kvctl: {e}", file=sys.stderr)
+        return 2
+    print(settings.model_dump_json(indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Build consistent /kv snapshots for policy tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.upstream.models import KvSnapshot, Lease, NextStep, ParkInfo, PoolInfo, Slot, SlotState
+
+
+@dataclass(frozen=True)
+class S:
+    """One slot of a test snapshot."""
+
+    state: str
+    n_cells: int = 0
+    id_task: int | None = None
+    t_arrival_ms: int = 0
+    park_count: int = 0
+    parked_since_ms: int | None = None
+    n_draft_max: int = 0
+    n_prompt_left: int = 0  # prompt state: tokens still to prefill
+
+
+def kv(
+    n_cells: int,
+    slots: list[S],
+    *,
+    draft_cells: int | None = None,
+    bytes_per_cell: int = 1000,
+    budget: int | None = None,
+    n_batch: int = 512,
+) -> KvSnapshot:
+    out = []
+    used = 0
+    parked_bytes = 0
+    n_gen = n_draft = n_prompt = 0
+    for i, s in enumerate(slots):
+        state = SlotState(s.state)
+        task = s.id_task if s.id_task is not None else (None if state is SlotState.IDLE else 100 + i)
+        if state is SlotState.PARKED:
+            parked_bytes += s.n_cells * bytes_per_cell
+        else:
+            used += s.n_cells
+        if state is SlotState.GENERATING:
+            n_gen += 1
+            n_draft += s.n_draft_max
+        if state is SlotState.PROMPT:
+            n_prompt += s.n_prompt_left
+        out.append(
+            Slot(
+                id=i,
+                id_task=task,
+                state=state,
+                n_cells=s.n_cells,
+                t_arrival_ms=s.t_arrival_ms if task is not None else None,
+                n_draft_max=s.n_draft_max,
+                park=ParkInfo(
+                    count=s.park_count,
+                    bytes=s.n_cells * bytes_per_cell if state is SlotState.PARKED else 0,
+                    t_parked_total_ms=0,
+                    parked_since_ms=s.parked_since_ms if state is SlotState.PARKED else None,
+                ),
+            )
+        )
+    n_prompt = min(n_prompt, max(0, n_batch - n_gen - n_draft))
+    draft = None
+    if draft_cells is not None:
+        draft = PoolInfo(
+            n_cells=draft_cells,
+            n_cells_used=used,
+            n_cells_free=draft_cells - used,
+            used_ratio=used / draft_cells,
+            source="exact",
+        )
+    return KvSnapshot(
+        n_cells=n_cells,
+        n_cells_used=used,
+        n_cells_free=n_cells - used,
+        used_ratio=used / n_cells,
+        source="exact",
+        draft=draft,
+        bytes_per_cell=bytes_per_cell,
+        next_step=NextStep(
+            n_gen=n_gen, n_draft_max=n_draft, n_prompt_max=n_prompt, n_total_max=n_gen + n_draft + n_prompt
+        ),
+        n_slots=len(out),
+        n_slots_idle=sum(1 for s in out if s.state is SlotState.IDLE),
+        n_parked=sum(1 for s in out if s.state is SlotState.PARKED),
+        parked_bytes=parked_bytes,
+        park_ram_budget_bytes=budget,
+        lease=Lease(held=True, ttl_s=10, age_ms=0),
+        slots=tuple(out),
+    )

@@ -1,0 +1,623 @@
+"""The watermark policy: examples of each rule, and hypothesis properties over arbitrary snapshots."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controller.policy import (
+    ActionKind,
+    Decision,
+    PolicyConfig,
+    PolicyInput,
+    Reason,
+    SkipReason,
+    TaskHistory,
+    admission,
+    decide,
+    pressure,
+)
+from controller.settings import RestoreOrder
+from controller.upstream.models import KvSnapshot, Slot, SlotState
+from tests.unit.snapshots import S, kv
+
+CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)
+NOW = 1_000_000
+
+
+def run(snapshot: KvSnapshot, cfg: PolicyConfig = CFG, **kw: object) -> Decision:
+    return decide(PolicyInput(kv=snapshot, now_ms=kw.pop("now_ms", NOW), **kw), cfg)  # type: ignore[arg-type]
+
+
+def parked_slots(d: Decision) -> list[int]:
+    return [a.slot for a in d.parks]
+
+
+def resumed_slots(d: Decision) -> list[int]:
+    return [a.slot for a in d.resumes]
+
+
+# --- projected occupancy ---------------------------------------------------------------------------
+
+
+def test_projection_counts_next_step_and_leaves_idle_caches_out() -> None:
+    snap = kv(1000, [S("generating", 400, n_draft_max=3), S("generating", 300), S("idle", 200)])
+    p = pressure(snap)
+    assert p.target == pytest.approx((700 + 1 + 3 + 1) / 1000)
+    assert p.draft is None and p.value == p.target
+
+
+def test_the_draft_pool_counts_when_it_is_the_tighter_one() -> None:
+    snap = kv(1000, [S("generating", 400), S("generating", 300)], draft_cells=720)
+    p = pressure(snap)
+    assert p.draft == pytest.approx(702 / 720)
+    assert p.value == p.draft
+    d = run(snap)
+    assert d.parks, "the draft pool is above HIGH: something must be parked"
+
+
+# --- parking ---------------------------------------------------------------------------------------
+
+
+def test_below_high_nothing_is_parked() -> None:
+    snap = kv(1000, [S("generating", 450, t_arrival_ms=1), S("generating", 480, t_arrival_ms=2)])
+    assert pressure(snap).value < 0.94
+    assert run(snap).actions == ()
+
+
+def test_newest_is_parked_first_and_only_as_many_as_needed() -> None:
+    snap = kv(
+        1000,
+        [
+            S("generating", 400, t_arrival_ms=1),
+            S("generating", 200, t_arrival_ms=3),
+            S("generating", 200, t_arrival_ms=2),
+            S("generating", 150, t_arrival_ms=4),
+        ],
+    )
+    d = run(snap)
+    assert parked_slots(d) == [3]
+    assert all(a.reason is Reason.PRESSURE for a in d.parks)
+    assert d.projected_after < 0.94
+
+
+def test_ties_in_arrival_go_by_task_id() -> None:
+    snap = kv(
+        1000,
+        [
+            S("generating", 500, t_arrival_ms=1),
+            S("generating", 230, t_arrival_ms=5, id_task=7),
+            S("generating", 230, t_arrival_ms=5, id_task=9),
+        ],
+    )
+    assert parked_slots(run(snap)) == [2]
+
+
+def test_the_largest_resident_request_is_never_parked() -> None:
+    # the newest is also the largest: the next newest goes instead
+    snap = kv(1000, [S("generating", 300, t_arrival_ms=1), S("generating", 660, t_arrival_ms=2)])
+    d = run(snap)
+    assert parked_slots(d) == [0]
+    assert any(s.reason is SkipReason.LARGEST and s.slot == 1 for s in d.skipped)
+
+
+def test_a_request_parked_before_is_passed_over_while_another_candidate_exists() -> None:
+    snap = kv(
+        1000,
+        [
+            S("generating", 500, t_arrival_ms=1),
+            S("generating", 220, t_arrival_ms=2),
+            S("generating", 220, t_arrival_ms=3, park_count=1),
+        ],
+    )
+    assert parked_slots(run(snap)) == [1]
+    # the controller's own history counts as well as the server's park count
+    snap2 = kv(
+        1000,
+        [
+            S("generating", 500, t_arrival_ms=1),
+            S("generating", 220, t_arrival_ms=2),
+            S("generating", 220, t_arrival_ms=3, id_task=42),
+        ],
+    )
+    assert parked_slots(run(snap2, history={42: TaskHistory(parks=1)})) == [1]
+
+
+def test_a_repeat_victim_is_still_parked_when_it_is_the_only_candidate() -> None:
+    snap = kv(1000, [S("generating", 600, t_arrival_ms=1), S("generating", 350, t_arrival_ms=2, park_count=3)])
+    assert parked_slots(run(snap)) == [1]
+
+
+def test_snapshots_never_exceed_the_budget() -> None:
+    slots = [
+        S("generating", 500, t_arrival_ms=1),
+        S("generating", 300, t_arrival_ms=2),
+        S("generating", 150, t_arrival_ms=3),
+    ]
+    # room for 200 cells of snapshot: the 150-cell one fits, the 300-cell one does not
+    d = run(kv(1000, slots, bytes_per_cell=10), replace(CFG, budget_bytes=2000))
+    assert parked_slots(d) == [2]
+    # the server's budget is the tighter one here, less what is already parked
+    snap = kv(1000, [*slots, S("parked", 100, parked_since_ms=1)], bytes_per_cell=10, budget=2400)
+    d = run(snap)
+    assert d.parks == ()
+    assert [s.slot for s in d.skipped if s.reason is SkipReason.BUDGET] == [2, 1]
+
+
+def test_snapshots_never_exceed_the_host_ram_headroom() -> None:
+    snap = kv(1000, [S("generating", 500, t_arrival_ms=1), S("generating", 460, t_arrival_ms=2)], bytes_per_cell=10)
+    d = run(snap, replace(CFG, host_reserve_bytes=1000), host_available_bytes=5000)
+    assert d.parks == ()
+    assert any(s.reason is SkipReason.HOST_RAM for s in d.skipped)
+    d = run(snap, replace(CFG, host_reserve_bytes=1000), host_available_bytes=6000)
+    assert parked_slots(d) == [1]
+
+
+def test_prompt_processing_slots_are_not_parked_but_count() -> None:
+    snap = kv(
+        1000,
+        [
+            S("generating", 500, t_arrival_ms=1),
+            S("prompt", 300, t_arrival_ms=3, n_prompt_left=200),
+            S("generating", 100, t_arrival_ms=2),
+        ],
+    )
+    d = run(snap)
+    assert parked_slots(d) == [2]
+
+
+def test_when_every_candidate_is_parked_and_it_is_still_high_it_says_so() -> None:
+    snap = kv(1000, [S("generating", 900, t_arrival_ms=1), S("generating", 60, t_arrival_ms=2)])
+    d = run(snap)
+    assert parked_slots(d) == [1]
+    assert d.projected_after < 0.94
+    snap = kv(1000, [S("generating", 960, t_arrival_ms=1), S("generating", 10, t_arrival_ms=2)])
+    d = run(snap)
+    assert parked_slots(d) == [1]
+    assert any(s.reason is SkipReason.UNRESOLVED for s in d.skipped)
+
+
+# --- restoring -------------------------------------------------------------------------------------
+
+
+def test_restore_while_it_stays_at_or_below_low() -> None:
+    snap = kv(
+        1000,
+        [
+            S("generating", 400, t_arrival_ms=1),
+            S("parked", 300, parked_since_ms=NOW - 10),
+            S("parked", 200, parked_since_ms=NOW - 5),
+        ],
+    )
+    d = run(snap)
+    assert resumed_slots(d) == [1]  # 400 + 300 + 2 = 702; adding the other would make 903 > 800
+    assert d.resumes[0].reason is Reason.BELOW_LOW
+    assert any(s.reason is SkipReason.ABOVE_LOW and s.slot == 2 for s in d.skipped)
+
+
+def test_the_margin_counts() -> None:
+    snap = kv(1000, [S("generating", 400, t_arrival_ms=1), S("parked", 390, parked_since_ms=NOW - 10)])
+    assert resumed_slots(run(snap)) == [1]
+    assert resumed_slots(run(snap, replace(CFG, margin_cells=20))) == []
+
+
+def test_fifo_is_head_of_line_and_seed_order_passes_over() -> None:
+    slots = [
+        S("generating", 300, t_arrival_ms=1),
+        S("parked", 600, parked_since_ms=NOW - 20, park_count=1),  # the head: does not fit below LOW
+        S("parked", 100, parked_since_ms=NOW - 10, park_count=2),  # fits, but must not overtake (fifo)
+    ]
+    assert resumed_slots(run(kv(1000, slots))) == []
+    d = run(kv(1000, slots), replace(CFG, order=RestoreOrder.SEED))
+    assert resumed_slots(d) == [2]
+
+
+def test_seed_order_is_most_parked_then_longest_waiting() -> None:
+    slots = [
+        S("parked", 100, parked_since_ms=NOW - 30, park_count=1),
+        S("parked", 100, parked_since_ms=NOW - 10, park_count=3),
+        S("parked", 100, parked_since_ms=NOW - 20, park_count=3),
+        S("generating", 50, t_arrival_ms=1),
+    ]
+    d = run(kv(1000, slots), replace(CFG, order=RestoreOrder.SEED))
+    assert resumed_slots(d) == [2, 1, 0]
+    d = run(kv(1000, slots))
+    assert resumed_slots(d) == [0, 2, 1]
+
+
+def test_nothing_resident_restores_the_head_above_low() -> None:
+    snap = kv(
+        1000, [S("parked", 900, parked_since_ms=NOW - 10), S("parked", 50, parked_since_ms=NOW - 5), S("idle", 100)]
+    )
+    d = run(snap)
+    assert [(a.slot, a.reason) for a in d.resumes] == [(0, Reason.NOTHING_RESIDENT)]
+
+
+def test_a_request_that_cannot_fit_alone_is_ended_once_nothing_is_resident() -> None:
+    d = run(kv(1000, [S("parked", 1000, parked_since_ms=NOW - 10), S("parked", 50, parked_since_ms=NOW - 5)]))
+    assert [(a.kind, a.slot) for a in d.actions] == [(ActionKind.END, 0), (ActionKind.RESUME, 1)]
+    assert d.actions[0].reason is Reason.CANNOT_FIT
+    d = run(
+        kv(
+            1000,
+            [
+                S("generating", 100, t_arrival_ms=1),
+                S("parked", 1000, parked_since_ms=NOW - 10),
+                S("parked", 50, parked_since_ms=NOW - 5),
+            ],
+        )
+    )
+    assert [(a.kind, a.slot) for a in d.actions] == [(ActionKind.RESUME, 2)]
+    assert any(s.reason is SkipReason.AWAIT_EMPTY_POOL for s in d.skipped)
+
+
+def test_a_starving_head_is_restored_below_high_and_room_is_made_for_it() -> None:
+    slots = [
+        S("generating", 400, t_arrival_ms=1),
+        S("generating", 200, t_arrival_ms=5),
+        S("parked", 300, parked_since_ms=NOW - 10_000),
+    ]
+    assert run(kv(1000, slots)).actions == ()
+    # waited too long: 400 + 200 + 300 + 3 = 903 < 940, restored above LOW
+    slots[2] = replace(slots[2], parked_since_ms=NOW - 31_000)
+    d = run(kv(1000, slots))
+    assert [(a.kind, a.slot, a.reason) for a in d.actions] == [(ActionKind.RESUME, 2, Reason.STARVATION)]
+    # a bigger one: the newest resident makes room, never the largest
+    slots[2] = replace(slots[2], n_cells=450)
+    d = run(kv(1000, slots))
+    assert [(a.kind, a.slot, a.reason) for a in d.actions] == [
+        (ActionKind.PARK, 1, Reason.MAKE_ROOM),
+        (ActionKind.RESUME, 2, Reason.STARVATION),
+    ]
+    # no permitted park makes room: nothing is done at all
+    slots[0] = replace(slots[0], n_cells=600)
+    d = run(kv(1000, slots))
+    assert d.actions == ()
+    assert any(s.reason is SkipReason.NO_ROOM for s in d.skipped)
+
+
+def test_pinned_requests_stay_parked_and_do_not_block_others() -> None:
+    snap = kv(1000, [S("parked", 100, parked_since_ms=NOW - 10, id_task=5), S("parked", 100, parked_since_ms=NOW)])
+    d = run(snap, history={5: TaskHistory(pinned=True)})
+    assert resumed_slots(d) == [1]
+    assert any(s.reason is SkipReason.PINNED and s.slot == 0 for s in d.skipped)
+
+
+def test_gpu_memory_under_the_floor_holds_restores() -> None:
+    snap = kv(1000, [S("generating", 100, t_arrival_ms=1), S("parked", 100, parked_since_ms=NOW)])
+    assert resumed_slots(run(snap, gpu_free_bytes=10 * 1024**3)) == [1]
+    d = run(snap, gpu_free_bytes=1)
+    assert d.pressure.gpu_low and d.resumes == ()
+    assert any(s.reason is SkipReason.GPU_PRESSURE for s in d.skipped)
+    # no GPU: nothing changes
+    assert resumed_slots(run(snap, gpu_free_bytes=None)) == [1]
+
+
+def test_no_restore_in_the_decision_that_parks_for_pressure() -> None:
+    snap = kv(
+        1000,
+        [
+            S("generating", 700, t_arrival_ms=1),
+            S("generating", 250, t_arrival_ms=2),
+            S("parked", 10, parked_since_ms=NOW - 100_000),
+        ],
+    )
+    d = run(snap)
+    assert parked_slots(d) == [1] and d.resumes == ()
+
+
+def test_admission_waits_for_parked_requests_and_room() -> None:
+    cfg = CFG
+    parked = kv(1000, [S("generating", 100, t_arrival_ms=1), S("parked", 100, parked_since_ms=NOW)])
+    assert not admission(PolicyInput(parked, NOW), cfg, 10).admit
+    assert admission(PolicyInput(parked, NOW, history={101: TaskHistory(pinned=True)}), cfg, 10).admit
+    busy = kv(1000, [S("generating", 800, t_arrival_ms=1)])
+    assert admission(PolicyInput(busy, NOW), cfg, 100).admit
+    assert not admission(PolicyInput(busy, NOW), cfg, 200).admit
+    assert admission(PolicyInput(kv(1000, [S("idle", 900)]), NOW), cfg, 900).admit
+
+
+# --- properties ------------------------------------------------------------------------------------
+
+POOL = st.integers(min_value=64, max_value=4096)
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> tuple[KvSnapshot, PolicyConfig, int | None]:
+    n = draw(POOL)
+    n_slots = draw(st.integers(1, 8))
+    slots: list[S] = []
+    free = n
+    for i in range(n_slots):
+        state = draw(st.sampled_from(["idle", "prompt", "generating", "generating", "parked"]))
+        cap = n if state == "parked" else free
+        cells = draw(st.integers(0, max(0, cap)))
+        if state != "parked":
+            free -= cells
+        slots.append(
+            S(
+                state,
+                cells,
+                id_task=None if state == "idle" else draw(st.integers(0, 50)) * 10 + i,
+                t_arrival_ms=draw(st.integers(0, 20)),
+                park_count=draw(st.integers(0, 3)),
+                parked_since_ms=NOW - draw(st.integers(0, 60_000)),
+                n_draft_max=draw(st.sampled_from([0, 0, 2, 5])),
+                n_prompt_left=draw(st.integers(0, 600)),
+            )
+        )
+    bpc = draw(st.sampled_from([1, 512, 1000]))
+    budget = draw(st.none() | st.integers(0, 2 * n * bpc))
+    draft = draw(st.none() | st.integers(max(1, n - free), 2 * n))
+    cfg = PolicyConfig(
+        high=draw(st.floats(0.5, 0.99)),
+        low=0.0,
+        budget_bytes=draw(st.integers(0, 2 * n * bpc)),
+        host_reserve_bytes=draw(st.integers(0, n * bpc)),
+        margin_cells=draw(st.integers(0, 32)),
+        order=draw(st.sampled_from(list(RestoreOrder))),
+        max_wait_ms=draw(st.integers(1, 60_000)),
+        gpu_floor_bytes=100,
+    )
+    cfg = replace(cfg, low=draw(st.floats(0.05, cfg.high - 0.01)))
+    host = draw(st.none() | st.integers(0, 2 * n * bpc))
+    return kv(n, slots, draft_cells=draft, bytes_per_cell=bpc, budget=budget), cfg, host
+
+
+def largest(slots: tuple[Slot, ...]) -> Slot | None:
+    res = [s for s in slots if s.state in (SlotState.PROMPT, SlotState.GENERATING)]
+    if not res:
+        return None
+    best = res[0]
+    for s in res[1:]:
+        a_s = s.t_arrival_ms or 0
+        a_b = best.t_arrival_ms or 0
+        if (s.n_cells, -a_s, -(s.id_task or -1), -s.id) > (best.n_cells, -a_b, -(best.id_task or -1), -best.id):
+            best = s
+    return best
+
+
+PROPS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(snapshots(), st.sampled_from([None, 1, 10**12]))
+def test_parks_never_exceed_the_budget_or_the_host_headroom(
+    case: tuple[KvSnapshot, PolicyConfig, int | None], gpu: int | None
+) -> None:
+    snap, cfg, host = case
+    d = decide(PolicyInput(snap, NOW, host_available_bytes=host, gpu_free_bytes=gpu), cfg)
+    parked = sum(a.n_bytes for a in d.parks)
+    server = snap.park_ram_budget_bytes if snap.park_ram_budget_bytes is not None else float("inf")
+    assert parked <= max(0, min(cfg.budget_bytes, server) - snap.parked_bytes)
+    if host is not None:
+        assert parked <= max(0, host - cfg.host_reserve_bytes)
+    for a in d.parks:
+        assert a.n_bytes == a.n_cells * snap.bytes_per_cell
+
+
+@PROPS
+@given(snapshots())
+def test_the_largest_resident_request_is_never_parked_whatever_the_snapshot(
+    case: tuple[KvSnapshot, PolicyConfig, int | None],
+) -> None:
+    snap, cfg, host = case
+    d = decide(PolicyInput(snap, NOW, host_available_bytes=host), cfg)
+    big = largest(snap.slots)
+    for a in d.parks:
+        assert big is not None and a.slot != big.id
+        victim = next(s for s in snap.slots if s.id == a.slot)
+        assert victim.state is SlotState.GENERATING and a.id_task == victim.id_task
+
+
+@PROPS
+@given(snapshots(), st.sampled_from([None, 1]))
+def test_restores_stay_at_or_below_low_except_through_the_no_starvation_rule(
+    case: tuple[KvSnapshot, PolicyConfig, int | None], gpu: int | None
+) -> None:
+    snap, cfg, host = case
+    d = decide(PolicyInput(snap, NOW, host_available_bytes=host, gpu_free_bytes=gpu), cfg)
+    by_id = {s.id: s for s in snap.slots}
+    idle = sum(s.n_cells for s in snap.slots if s.state is SlotState.IDLE)
+    active = snap.n_cells_used - idle
+    step = snap.next_step.n_total_max
+    residents = sum(1 for s in snap.slots if s.state in (SlotState.PROMPT, SlotState.GENERATING))
+    pools = [snap.n_cells] + ([snap.draft.n_cells] if snap.draft and snap.draft.n_cells > 0 else [])
+    draft_used = snap.draft.n_cells_used - idle if snap.draft else 0
+    head_waits = []
+    for a in d.actions:
+        s = by_id[a.slot]
+        if a.kind is ActionKind.PARK:
+            active -= s.n_cells
+            draft_used -= s.n_cells
+            step -= 1 + s.n_draft_max
+            residents -= 1
+        elif a.kind is ActionKind.RESUME:
+            own = 1 + s.n_draft_max
+            used = [active, draft_used][: len(pools)]
+            after = max((u + s.n_cells + step + own + cfg.margin_cells) / n for u, n in zip(used, pools, strict=True))
+            if a.reason is Reason.BELOW_LOW:
+                assert after <= cfg.low + 1e-9
+                assert not d.pressure.gpu_low
+            elif a.reason is Reason.NOTHING_RESIDENT:
+                assert residents == 0
+                assert s.n_cells + 1 <= min(pools)
+            else:
+                assert a.reason is Reason.STARVATION
+                assert NOW - (s.park.parked_since_ms or 0) >= cfg.max_wait_ms
+                assert max((u + s.n_cells + step + own) / n for u, n in zip(used, pools, strict=True)) < cfg.high
+                head_waits.append(a.slot)
+            active += s.n_cells
+            draft_used += s.n_cells
+            step += own
+            residents += 1
+        else:
+            assert a.reason is Reason.CANNOT_FIT and residents == 0 and s.n_cells + 1 > min(pools)
+    assert len(head_waits) <= 1, "only the head of the restore order may starve its way in"
+
+
+@PROPS
+@given(snapshots(), st.randoms(use_true_random=False))
+def test_the_same_input_gives_the_same_decision(
+    case: tuple[KvSnapshot, PolicyConfig, int | None], rnd: random.Random
+) -> None:
+    snap, cfg, host = case
+    inp = PolicyInput(snap, NOW, host_available_bytes=host)
+    first = decide(inp, cfg)
+    assert decide(inp, cfg) == first
+    shuffled = list(snap.slots)
+    rnd.shuffle(shuffled)
+    assert (
+        decide(PolicyInput(snap.model_copy(update={"slots": tuple(shuffled)}), NOW, host_available_bytes=host), cfg)
+        == first
+    )
+
+
+# --- liveness: a small simulated server ------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    task: int
+    cells: int
+    left: int  # tokens still to generate
+    arrival: int
+    draft: int = 0
+    parked: bool = False
+    park_count: int = 0
+    parked_since: int = 0
+
+
+@dataclass
+class Sim:
+    n: int
+    slots: dict[int, Req]
+    now: int = NOW
+    ended: list[int] = field(default_factory=list)
+
+    def snapshot(self) -> KvSnapshot:
+        specs = []
+        for i in range(max(self.slots, default=-1) + 1):
+            r = self.slots.get(i)
+            if r is None:
+                specs.append(S("idle"))
+            else:
+                specs.append(
+                    S(
+                        "parked" if r.parked else "generating",
+                        r.cells,
+                        id_task=r.task,
+                        t_arrival_ms=r.arrival,
+                        park_count=r.park_count,
+                        parked_since_ms=r.parked_since,
+                        n_draft_max=r.draft,
+                    )
+                )
+        return kv(self.n, specs, bytes_per_cell=1)
+
+    def used(self) -> int:
+        return sum(r.cells for r in self.slots.values() if not r.parked)
+
+    def apply(self, d: Decision) -> None:
+        for a in d.actions:
+            r = self.slots.get(a.slot)
+            assert r is not None and r.task == a.id_task
+            if a.kind is ActionKind.PARK:
+                assert not r.parked
+                r.parked, r.park_count, r.parked_since = True, r.park_count + 1, self.now
+            elif a.kind is ActionKind.RESUME:
+                assert r.parked
+                if r.cells > self.n - self.used():
+                    return  # 503: not enough free cells; the rest of the decision is dropped
+                r.parked = False
+            else:
+                self.ended.append(r.task)
+                del self.slots[a.slot]
+
+    def advance(self) -> None:
+        """One decode step: the oldest requests get room first; a request alone at the pool's end finishes."""
+        running = sorted((r for r in self.slots.values() if not r.parked), key=lambda r: r.arrival)
+        for r in running:
+            if self.used() + 1 <= self.n:
+                r.cells += 1
+                r.left -= 1
+            elif len(running) == 1:
+                r.left = 0  # the context limit: the server stops it
+        for i, r in list(self.slots.items()):
+            if not r.parked and r.left <= 0:
+                del self.slots[i]
+        self.now += 100
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[Sim, PolicyConfig]:
+    n = draw(st.integers(50, 600))
+    reqs: dict[int, Req] = {}
+    free = n
+    for i in range(draw(st.integers(1, 6))):
+        parked = draw(st.booleans())
+        cells = draw(st.integers(1, n if parked else max(1, free)))
+        if not parked:
+            if cells > free:
+                continue
+            free -= cells
+        reqs[i] = Req(
+            task=100 + i,
+            cells=cells,
+            left=draw(st.integers(1, 200)),
+            arrival=draw(st.integers(0, 10)),
+            draft=draw(st.sampled_from([0, 0, 2])),
+            parked=parked,
+            park_count=int(parked),
+            parked_since=NOW - draw(st.integers(0, 5000)),
+        )
+    cfg = PolicyConfig(
+        high=draw(st.floats(0.6, 0.98)),
+        low=0.0,
+        budget_bytes=10**9,
+        host_reserve_bytes=0,
+        margin_cells=draw(st.integers(0, 8)),
+        order=draw(st.sampled_from(list(RestoreOrder))),
+        max_wait_ms=draw(st.integers(1000, 60_000)),
+    )
+    cfg = replace(cfg, low=draw(st.floats(0.1, cfg.high - 0.05)))
+    return Sim(n, reqs), cfg
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_once_arrivals_stop_every_parked_request_is_restored_or_ended(case: tuple[Sim, PolicyConfig]) -> None:
+    sim, cfg = case
+    work = sum(r.left for r in sim.slots.values())
+    bound = 2 * work + 4 * (cfg.max_wait_ms // 100 + 10) * max(1, len(sim.slots))
+    too_big = {r.task for r in sim.slots.values() if r.cells + 1 > sim.n}
+    steps = 0
+    while sim.slots:
+        assert steps < bound, f"still waiting after {steps} steps: {sim.slots}"
+        sim.apply(decide(PolicyInput(sim.snapshot(), sim.now), cfg))
+        sim.advance()
+        steps += 1
+    assert set(sim.ended) == too_big, "only requests larger than the pool are ended"
+
+
+def test_a_request_larger_than_low_times_the_pool_is_restored_once_arrivals_stop() -> None:
+    sim = Sim(
+        1000,
+        {
+            0: Req(1, 300, 100, arrival=1),
+            1: Req(2, 900, 50, arrival=2, parked=True, park_count=1, parked_since=NOW - 10),
+        },
+    )
+    restored_at = None
+    for step in range(400):
+        sim.apply(decide(PolicyInput(sim.snapshot(), sim.now), CFG))
+        if 1 in sim.slots and not sim.slots[1].parked and restored_at is None:
+            restored_at = step
+        sim.advance()
+        if not sim.slots:
+            break
+    assert not sim.slots and restored_at is not None
