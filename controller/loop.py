@@ -1,0 +1,462 @@
+"""The control loop: poll ``GET /kv``, decide (controller.policy), act (park, resume), record.
+
+One task owns the loop's state; manual overrides from the admin API are queued to it, so no lock
+is needed. Every request to the server carries ``X-Park-Lease: 1`` (the client adds it): while
+the loop polls, the server leaves auto-parked requests to it. When the server does not answer,
+the loop backs off (never longer than half the lease) and reports ``upstream down``; after it
+comes back, or after the supervisor restarted it, the loop forgets what it knew of its tasks. An
+unexpected exception is logged and the loop restarted: it never takes the process down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import structlog
+
+from controller.metrics import Metrics
+from controller.policy import (
+    Action,
+    ActionKind,
+    Decision,
+    PolicyConfig,
+    PolicyInput,
+    Reason,
+    TaskHistory,
+    decide,
+)
+from controller.probes import GpuProbe, GpuReading, HostMemory, read_host_memory
+from controller.probes.gpu import GpuState
+from controller.settings import Settings
+from controller.upstream import (
+    KvSnapshot,
+    ParkResult,
+    ResumeResult,
+    SlotState,
+    UpstreamApiError,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamUnavailable,
+)
+
+__all__ = ["ControlLoop", "LoopState", "ManualAction", "ManualError", "ManualResult"]
+
+log = structlog.get_logger("kvctl.loop")
+
+GPU_READ_INTERVAL_S = 1.0  # NVML reads block a thread; GPU memory does not move at the pool's pace
+
+
+class ManualAction(StrEnum):
+    PARK = "park"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True, slots=True)
+class ManualResult:
+    slot: int
+    id_task: int
+    action: ManualAction
+    pinned: bool
+    detail: str
+    n_cells: int = 0
+    n_bytes: int = 0
+
+
+class ManualError(Exception):
+    """A manual override that could not be carried out; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class _Command:
+    action: ManualAction
+    slot: int
+    done: asyncio.Future[ManualResult]
+
+
+@dataclass(slots=True)
+class LoopState:
+    """What the loop knows; read by the admin API and the tests, written only by the loop."""
+
+    upstream_up: bool = False
+    last_error: str | None = None
+    polls: int = 0
+    last_poll_monotonic: float | None = None
+    heartbeat_monotonic: float = field(default_factory=time.monotonic)
+    snapshot: KvSnapshot | None = None
+    decision: Decision | None = None
+    history: dict[int, TaskHistory] = field(default_factory=dict)
+    host: HostMemory | None = None
+    gpu: GpuReading | None = None
+    parks: int = 0
+    resumes: int = 0
+    ends: int = 0
+    action_failures: int = 0
+    max_pressure: float = 0.0
+    """The largest pressure seen at a poll since start (or since the last reset_maxima())."""
+    max_growth: float = 0.0
+    """The largest rise of the pressure between a decision's expectation and the next poll."""
+    loop_restarts: int = 0
+    backoff_s: float | None = None
+    """The current back-off after failed polls; None while the server answers."""
+
+
+class ControlLoop:
+    """Poll, decide, act, record; see the module docstring."""
+
+    def __init__(
+        self,
+        client: UpstreamClient,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        gpu: GpuProbe | None = None,
+        host: Callable[[], HostMemory] = read_host_memory,
+        clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        on_end: Callable[[int, int], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+        self.config = PolicyConfig.from_settings(settings.policy)
+        self.state = LoopState()
+        self._gpu = gpu
+        self._gpu_read_at = -GPU_READ_INTERVAL_S
+        self._host = host
+        self._clock_ms = clock_ms
+        # the proxy (a later issue) ends a request that cannot fit by closing its client's stream
+        self._on_end = on_end
+        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._lease_warned = False
+        self._forget_pending = False
+
+    # --- public ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until cancelled; an unexpected exception restarts the loop after a delay."""
+        while True:
+            try:
+                await self._poll_forever()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.state.loop_restarts += 1
+                self.metrics.loop_restarts.inc()
+                log.exception("loop.crashed", restart_in_s=self.settings.loop.restart_delay_s)
+                await asyncio.sleep(self.settings.loop.restart_delay_s)
+
+    def forget(self, why: str) -> None:
+        """Drop what the loop knows about the server's tasks (it restarted); done before the next poll."""
+        self._forget_pending = True
+        log.info("loop.forget", reason=why)
+
+    def reset_maxima(self) -> None:
+        self.state.max_pressure = 0.0
+        self.state.max_growth = 0.0
+
+    async def manual(self, action: ManualAction, slot: int, timeout_s: float = 10.0) -> ManualResult:
+        """A manual park (pinned until resumed by hand) or resume, carried out by the loop's task."""
+        done: asyncio.Future[ManualResult] = asyncio.get_running_loop().create_future()
+        await self._commands.put(_Command(action, slot, done))
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(done, timeout_s)
+        except TimeoutError:
+            raise ManualError(504, "the control loop did not carry out the request in time") from None
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def _max_backoff(self) -> float:
+        limit = self.settings.loop.backoff_max_s
+        kv = self.state.snapshot
+        if kv is not None and kv.lease is not None and kv.lease.ttl_s > 0:
+            # the server's lease may be shorter than the settings assumed: stay under half of it
+            if limit >= kv.lease.ttl_s / 2:
+                if not self._lease_warned:
+                    log.warning("loop.lease_shorter", lease_s=kv.lease.ttl_s, backoff_max_s=limit)
+                    self._lease_warned = True
+                limit = kv.lease.ttl_s / 2 * 0.8
+        return limit
+
+    async def _poll_forever(self) -> None:
+        backoff: float | None = None
+        while True:
+            t0 = time.monotonic()
+            self.state.heartbeat_monotonic = t0
+            await self._run_commands()
+            ok = await self.step()
+            if ok:
+                backoff = None
+                delay = max(0.0, self.settings.loop.poll_interval_s - (time.monotonic() - t0))
+            else:
+                initial = self.settings.loop.backoff_initial_s
+                backoff = min(initial if backoff is None else backoff * 2, self._max_backoff())
+                delay = backoff
+            self.state.backoff_s = backoff
+            self._wake.clear()
+            if self._commands.empty():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+
+    async def step(self) -> bool:
+        """One poll, decision and its actions; False when the server did not answer."""
+        if self._forget_pending:
+            self.state.history.clear()
+            self._forget_pending = False
+        try:
+            kv = await self.client.get_kv()
+        except UpstreamError as e:
+            self._down(e)
+            return False
+        self._up(kv)
+        await self.read_gpu()
+        inp = self._input(kv)
+        t0 = time.perf_counter()
+        decision = decide(inp, self.config)
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        self._record_poll(kv, decision)
+        await self._act(decision)
+        return True
+
+    def _down(self, e: UpstreamError) -> None:
+        kind = type(e).__name__
+        self.metrics.poll_errors.labels(kind=kind).inc()
+        self.metrics.upstream_up.set(0)
+        if self.state.upstream_up or self.state.last_error is None:
+            log.warning("upstream.down", error=str(e))
+        self.state.upstream_up = False
+        self.state.last_error = str(e)
+
+    def _up(self, kv: KvSnapshot) -> None:
+        prev = self.state.snapshot
+        if not self.state.upstream_up:
+            if self.state.polls > 0 and self.state.history:
+                # it may have restarted: its task ids start again, so what we knew would be misapplied
+                self.state.history.clear()
+                log.info("loop.forget", reason="upstream came back")
+            log.info("upstream.up", n_cells=kv.n_cells, n_slots=kv.n_slots, draft=kv.draft is not None)
+        elif prev is not None and (prev.n_cells, prev.n_slots) != (kv.n_cells, kv.n_slots):
+            self.state.history.clear()
+            log.info("loop.forget", reason="the server's pool changed")
+        self.state.upstream_up = True
+        self.state.last_error = None
+        self.state.polls += 1
+        self.state.last_poll_monotonic = time.monotonic()
+        self.state.snapshot = kv
+        self.metrics.upstream_up.set(1)
+        self.metrics.polls.inc()
+        # a task that is gone (finished, cancelled, client went away) takes its pin and history along
+        live = {s.id_task for s in kv.slots if s.id_task is not None}
+        for task in [t for t in self.state.history if t not in live]:
+            del self.state.history[task]
+
+    def _input(self, kv: KvSnapshot) -> PolicyInput:
+        host = self._host()
+        self.state.host = host
+        gpu_free = None
+        gpu = self.state.gpu
+        if gpu is not None and gpu.state is GpuState.OK:
+            gpu_free = gpu.min_free_bytes
+        return PolicyInput(
+            kv=kv,
+            now_ms=self._clock_ms(),
+            history=dict(self.state.history),
+            host_available_bytes=host.available_bytes,
+            gpu_free_bytes=gpu_free,
+        )
+
+    async def read_gpu(self) -> None:
+        """Refresh the GPU reading (at most once a second; a no-op without a GPU)."""
+        if self._gpu is None or self._gpu.absent:
+            return
+        now = time.monotonic()
+        if now - self._gpu_read_at < GPU_READ_INTERVAL_S:
+            return
+        self._gpu_read_at = now
+        self.state.gpu = await self._gpu.read()
+        for dev in self.state.gpu.devices:
+            if dev.used_bytes is not None:
+                self.metrics.gpu_memory_used_bytes.labels(gpu=str(dev.index)).set(dev.used_bytes)
+            if dev.free_bytes is not None:
+                self.metrics.gpu_memory_free_bytes.labels(gpu=str(dev.index)).set(dev.free_bytes)
+
+    def _record_poll(self, kv: KvSnapshot, decision: Decision) -> None:
+        p = decision.pressure
+        prev = self.state.decision
+        if prev is not None:
+            self.state.max_growth = max(self.state.max_growth, p.value - prev.projected_after)
+        self.state.max_pressure = max(self.state.max_pressure, p.value)
+        self.state.decision = decision
+        m = self.metrics
+        m.kv_used_ratio.labels(pool="target").set(kv.used_ratio)
+        m.kv_projected_ratio.labels(pool="target").set(p.target)
+        if kv.draft is not None and p.draft is not None:
+            m.kv_used_ratio.labels(pool="draft").set(kv.draft.used_ratio)
+            m.kv_projected_ratio.labels(pool="draft").set(p.draft)
+        m.kv_pressure_ratio.set(p.value)
+        m.parked_requests.set(kv.n_parked)
+        m.parked_bytes.set(kv.parked_bytes)
+        m.pinned_requests.set(sum(1 for h in self.state.history.values() if h.pinned))
+        if self.state.host is not None:
+            m.host_available_bytes.set(self.state.host.available_bytes)
+        now = self._clock_ms()
+        since = [s.park.parked_since_ms for s in kv.slots if s.state is SlotState.PARKED and s.park.parked_since_ms]
+        m.longest_wait_seconds.set(max(0, now - min(since)) / 1000 if since else 0)
+        if decision.skipped and (prev is None or prev.skipped != decision.skipped):
+            log.info(
+                "decision.skipped",
+                pressure=round(p.value, 4),
+                skipped=[f"{s.kind}:{s.slot}/{s.id_task}:{s.reason}" for s in decision.skipped],
+            )
+
+    async def _act(self, decision: Decision) -> None:
+        for action in decision.actions:
+            if not await self._carry_out(action):
+                return  # the server's state is not what the decision assumed: decide again on a fresh poll
+
+    async def _carry_out(self, a: Action) -> bool:
+        fields = {
+            "slot": a.slot,
+            "id_task": a.id_task,
+            "reason": str(a.reason),
+            "n_cells": a.n_cells,
+            "projected_after": round(a.projected_after, 4),
+        }
+        if a.kind is ActionKind.END:
+            return await self._end(a, fields)
+        t0 = time.perf_counter()
+        try:
+            if a.kind is ActionKind.PARK:
+                park = await self.client.park(a.slot, a.id_task)
+            else:
+                resume = await self.client.resume(a.slot, a.id_task)
+        except UpstreamError as e:
+            self._action_failed(str(a.kind), e, fields)
+            return False
+        dt = time.perf_counter() - t0
+        if a.kind is ActionKind.PARK:
+            self._parked(park, a.reason, dt, fields)
+        else:
+            self._resumed(resume, a.reason, dt, fields, waited_ms=a.waited_ms)
+        return True
+
+    def _parked(self, r: ParkResult, reason: Reason, dt: float, fields: dict[str, object], pin: bool = False) -> None:
+        self.state.parks += 1
+        old = self.state.history.get(r.id_task, TaskHistory())
+        self.state.history[r.id_task] = TaskHistory(parks=old.parks + 1, pinned=old.pinned or pin)
+        self.metrics.parks.labels(reason=str(reason)).inc()
+        self.metrics.park_seconds.observe(dt)
+        log.info(
+            "park.done",
+            **{**fields, "n_cells": r.n_cells},
+            n_bytes=r.n_bytes + r.n_bytes_draft,
+            park_ms=r.timings.park_ms,
+            park_count=r.park_count,
+            pinned=pin,
+        )
+
+    def _resumed(
+        self, r: ResumeResult, reason: Reason, dt: float, fields: dict[str, object], waited_ms: int | None
+    ) -> None:
+        old = self.state.history.get(r.id_task)
+        if old is not None and old.pinned:
+            self.state.history[r.id_task] = TaskHistory(parks=old.parks, pinned=False)
+        self.state.resumes += 1
+        self.metrics.resumes.labels(reason=str(reason)).inc()
+        self.metrics.resume_seconds.observe(dt)
+        log.info("restore.done", **fields, resume_ms=r.timings.resume_ms, parked_ms=r.t_parked_ms, waited_ms=waited_ms)
+
+    def _action_failed(self, action: str, e: UpstreamError, fields: dict[str, object]) -> None:
+        self.state.action_failures += 1
+        status = str(e.status) if isinstance(e, UpstreamApiError) else "none"
+        self.metrics.action_failures.labels(action=action, status=status).inc()
+        event = "park.failed" if action == "park" else "restore.failed"
+        log.warning(event, **fields, error=str(e))
+        if isinstance(e, UpstreamUnavailable):
+            self._down(e)
+
+    async def _end(self, a: Action, fields: dict[str, object]) -> bool:
+        """A parked request that cannot fit the pool even alone: end it rather than let it wait forever."""
+        self.state.ends += 1
+        self.metrics.ends.inc()
+        log.error(
+            "request.cannot_fit", **fields, pool_cells=self.state.snapshot.n_cells if self.state.snapshot else None
+        )
+        if self._on_end is not None and await self._on_end(a.slot, a.id_task):
+            return True
+        # without a proxy to end its stream, resume it alone: the server's own context limit then ends it
+        try:
+            await self.client.resume(a.slot, a.id_task)
+        except UpstreamError as e:
+            self._action_failed("resume", e, fields)
+            return False
+        return True
+
+    # --- manual overrides ------------------------------------------------------------------------
+
+    async def _run_commands(self) -> None:
+        while not self._commands.empty():
+            cmd = self._commands.get_nowait()
+            if cmd.done.done():  # the caller gave up waiting
+                continue
+            try:
+                cmd.done.set_result(await self._manual(cmd))
+            except ManualError as e:
+                cmd.done.set_exception(e)
+
+    async def _manual(self, cmd: _Command) -> ManualResult:
+        try:
+            kv = await self.client.get_kv()
+        except UpstreamError as e:
+            self._down(e)
+            raise ManualError(503, f"upstream down: {e}", retry_after_s=1.0) from None
+        self._up(kv)
+        slot = next((s for s in kv.slots if s.id == cmd.slot), None)
+        if slot is None:
+            raise ManualError(404, f"no slot {cmd.slot} (the server has {kv.n_slots})")
+        if slot.id_task is None:
+            raise ManualError(409, f"slot {cmd.slot} serves no request")
+        task = slot.id_task
+        fields: dict[str, object] = {"slot": slot.id, "id_task": task, "reason": str(Reason.MANUAL)}
+        old = self.state.history.get(task, TaskHistory())
+        if cmd.action is ManualAction.PARK:
+            if slot.state is SlotState.PARKED:
+                self.state.history[task] = TaskHistory(parks=old.parks, pinned=True)
+                log.info("park.pinned", **fields)
+                return ManualResult(slot.id, task, cmd.action, True, "already parked; now pinned", slot.n_cells)
+            t0 = time.perf_counter()
+            try:
+                park = await self.client.park(slot.id, task)
+            except UpstreamError as e:
+                self._action_failed("park", e, fields)
+                raise _manual_error(e) from None
+            self._parked(park, Reason.MANUAL, time.perf_counter() - t0, fields, pin=True)
+            return ManualResult(slot.id, task, cmd.action, True, "parked and pinned", park.n_cells, park.n_bytes)
+        if slot.state is not SlotState.PARKED:
+            raise ManualError(409, f"slot {cmd.slot} is not parked (state '{slot.state}')")
+        # unpinned first: should the resume fail for lack of room, the policy restores it when there is
+        self.state.history[task] = TaskHistory(parks=old.parks, pinned=False)
+        t0 = time.perf_counter()
+        try:
+            resume = await self.client.resume(slot.id, task)
+        except UpstreamError as e:
+            self._action_failed("resume", e, fields)
+            raise _manual_error(e) from None
+        self._resumed(resume, Reason.MANUAL, time.perf_counter() - t0, fields, waited_ms=None)
+        return ManualResult(slot.id, task, cmd.action, False, "resumed", resume.n_cells, resume.n_bytes)
+
+
+def _manual_error(e: UpstreamError) -> ManualError:
+    if isinstance(e, UpstreamApiError):
+        return ManualError(e.status, f"the server refused: {e.message}", e.retry_after_s)
+    return ManualError(503, f"upstream down: {e}", retry_after_s=1.0)

@@ -1,0 +1,94 @@
+"""kvctl's own Prometheus collectors (``kvctl_`` names, base units), on an injected registry.
+
+The server's ``llamacpp:*`` metrics stay on the server's ``/metrics``; these describe the controller.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics", "kvctl_version"]
+
+
+def kvctl_version() -> str:
+    try:
+        return version("kvctl")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "0+unknown"
+
+
+# park and resume copy a slot's cells to or from host RAM at the next quiescent point of the server's
+# loop: milliseconds on a CPU for small pools, up to a few hundred on a GPU (see the prior art)
+_ACTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+
+
+class Metrics:
+    """Every collector kvctl exports; one instance per registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self.build_info = Gauge("kvctl_build_info", "kvctl's version (always 1)", ["version", "python"], registry=r)
+        self.build_info.labels(version=kvctl_version(), python=platform.python_version()).set(1)
+        self.upstream_up = Gauge("kvctl_upstream_up", "1 when the last poll of the server succeeded", registry=r)
+        self.upstream_restarts = Counter(
+            "kvctl_upstream_restarts_total", "Restarts of the supervised server", registry=r
+        )
+        self.polls = Counter("kvctl_polls_total", "Polls of the server's GET /kv", registry=r)
+        self.poll_errors = Counter("kvctl_poll_errors_total", "Polls that failed, by kind", ["kind"], registry=r)
+        self.loop_restarts = Counter(
+            "kvctl_loop_restarts_total", "Restarts of the control loop after an unexpected exception", registry=r
+        )
+        self.kv_used_ratio = Gauge(
+            "kvctl_kv_used_ratio", "Used cells over pool cells, as the server reports it", ["pool"], registry=r
+        )
+        self.kv_projected_ratio = Gauge(
+            "kvctl_kv_projected_ratio",
+            "Projected occupancy: active cells plus the next step's cells, over pool cells",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_pressure_ratio = Gauge(
+            "kvctl_kv_pressure_ratio", "The larger projected occupancy of the target and draft pools", registry=r
+        )
+        self.parks = Counter("kvctl_parks_total", "Requests parked by kvctl, by reason", ["reason"], registry=r)
+        self.resumes = Counter("kvctl_resumes_total", "Requests resumed by kvctl, by reason", ["reason"], registry=r)
+        self.ends = Counter(
+            "kvctl_ends_total", "Parked requests given up because they cannot fit the pool alone", registry=r
+        )
+        self.action_failures = Counter(
+            "kvctl_action_failures_total",
+            "Park or resume requests the server refused or failed, by action and HTTP status",
+            ["action", "status"],
+            registry=r,
+        )
+        self.park_seconds = Histogram(
+            "kvctl_park_duration_seconds", "Round trip of a park request", buckets=_ACTION_BUCKETS, registry=r
+        )
+        self.resume_seconds = Histogram(
+            "kvctl_resume_duration_seconds", "Round trip of a resume request", buckets=_ACTION_BUCKETS, registry=r
+        )
+        self.parked_requests = Gauge("kvctl_parked_requests", "Requests parked on the server", registry=r)
+        self.pinned_requests = Gauge(
+            "kvctl_pinned_requests", "Requests parked by hand, left parked by the policy", registry=r
+        )
+        self.parked_bytes = Gauge("kvctl_parked_bytes", "Host RAM held by parked snapshots", registry=r)
+        self.longest_wait_seconds = Gauge(
+            "kvctl_parked_longest_wait_seconds", "How long the longest-parked request has waited", registry=r
+        )
+        self.decision_seconds = Histogram(
+            "kvctl_policy_decision_seconds", "Time the policy takes to decide", buckets=_DECISION_BUCKETS, registry=r
+        )
+        self.host_available_bytes = Gauge(
+            "kvctl_host_available_bytes", "Host memory available without swapping (psutil)", registry=r
+        )
+        self.gpu_memory_used_bytes = Gauge(
+            "kvctl_gpu_memory_used_bytes", "GPU memory in use (NVML); absent without a GPU", ["gpu"], registry=r
+        )
+        self.gpu_memory_free_bytes = Gauge(
+            "kvctl_gpu_memory_free_bytes", "GPU memory free (NVML); absent without a GPU", ["gpu"], registry=r
+        )

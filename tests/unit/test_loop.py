@@ -1,0 +1,253 @@
+"""The control loop's error paths and bookkeeping, against a scripted fake server.
+
+The loop's real behaviour under load is tested on the real server (tests/integration/test_controller.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from controller.loop import ControlLoop, ManualAction, ManualError
+from controller.metrics import Metrics
+from controller.probes import HostMemory
+from controller.settings import Settings, load_settings
+from controller.upstream import UpstreamClient
+from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
+
+NOW = 10_000_000
+
+
+def settings(**loop: Any) -> Settings:
+    return load_settings(
+        overrides={"loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05, **loop}}
+    )
+
+
+def plenty() -> HostMemory:
+    return HostMemory(available_bytes=64 * 2**30, total_bytes=64 * 2**30)
+
+
+def pressured() -> dict[str, Any]:
+    # 950 of 1000 cells: the newest (slot 2) must be parked
+    return kv_body(
+        1000,
+        [
+            {"state": "generating", "n_cells": 600, "id_task": 1, "t_arrival_ms": 1},
+            {"state": "generating", "n_cells": 200, "id_task": 2, "t_arrival_ms": 2},
+            {"state": "generating", "n_cells": 150, "id_task": 3, "t_arrival_ms": 3},
+        ],
+    )
+
+
+@pytest.fixture
+def fake() -> FakeLlamaServer:
+    return FakeLlamaServer()
+
+
+@pytest.fixture
+async def client(fake: FakeLlamaServer) -> AsyncIterator[UpstreamClient]:
+    server = TestServer(fake.app())
+    await server.start_server()
+    async with UpstreamClient(str(server.make_url("")), timeout_s=0.5) as c:
+        yield c
+    await server.close()
+
+
+def make_loop(client: UpstreamClient, s: Settings | None = None) -> ControlLoop:
+    return ControlLoop(client, s or settings(), Metrics(CollectorRegistry()), host=plenty, clock_ms=lambda: NOW)
+
+
+def sample(loop: ControlLoop, name: str, **labels: str) -> float:
+    value = loop.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_a_poll_under_pressure_parks_the_newest_and_records_it(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    fake.kv = pressured()
+    loop = make_loop(client)
+    with capture_logs() as logs:
+        assert await loop.step()
+    parks = [s for s in fake.seen if s.query.get("action") == "park"]
+    assert [(p.path, p.body) for p in parks] == [("/slots/2", b'{"id_task": 3}')]
+    assert loop.state.history[3].parks == 1 and not loop.state.history[3].pinned
+    assert sample(loop, "kvctl_parks_total", reason="pressure") == 1
+    assert sample(loop, "kvctl_upstream_up") == 1
+    assert loop.state.max_pressure == pytest.approx(953 / 1000)
+    events = [e for e in logs if e["event"] == "park.done"]
+    assert events and events[0]["reason"] == "pressure" and events[0]["slot"] == 2
+
+
+async def test_a_refused_action_stops_the_rest_of_the_decision(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    fake.kv = kv_body(
+        1000,
+        [
+            {"state": "generating", "n_cells": 500, "id_task": 1, "t_arrival_ms": 1},
+            {"state": "generating", "n_cells": 230, "id_task": 2, "t_arrival_ms": 2},
+            {"state": "generating", "n_cells": 230, "id_task": 3, "t_arrival_ms": 3},
+        ],
+        next_step={"n_gen": 3, "n_draft_max": 0, "n_prompt_max": 200, "n_total_max": 203},
+    )
+    fake.queue("POST park", error(409, "conflict_error", "slot 2 does not serve task 3"))
+    loop = make_loop(client)
+    with capture_logs() as logs:
+        assert await loop.step()
+    assert len([s for s in fake.seen if s.query.get("action") == "park"]) == 1  # two were planned
+    assert sample(loop, "kvctl_action_failures_total", action="park", status="409") == 1
+    assert any(e["event"] == "park.failed" for e in logs)
+    assert 3 not in loop.state.history
+
+
+async def test_a_server_that_goes_away_is_reported_and_forgotten(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    fake.kv = pressured()
+    loop = make_loop(client)
+    assert await loop.step()
+    assert 3 in loop.state.history
+    # aiohttp retries an idempotent request once on a dropped connection
+    fake.queue("GET /kv", Reply(drop=True), Reply(drop=True))
+    assert not await loop.step()
+    assert not loop.state.upstream_up and loop.state.last_error
+    assert sample(loop, "kvctl_upstream_up") == 0
+    assert sample(loop, "kvctl_poll_errors_total", kind="UpstreamUnavailable") == 1
+    fake.kv = kv_body(
+        1000,
+        [
+            {
+                "state": "parked",
+                "n_cells": 150,
+                "id_task": 3,
+                "park": {"count": 1, "bytes": 0, "t_parked_total_ms": 0, "parked_since_ms": NOW - 5},
+            }
+        ],
+    )
+    fake.queue("POST resume", error(503, "unavailable_error", "no room"))
+    assert await loop.step()
+    assert loop.state.upstream_up
+    assert loop.state.history == {}, "after the server comes back, what the loop knew of its tasks is gone"
+
+
+async def test_back_off_grows_but_stays_under_half_the_lease() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with UpstreamClient(f"http://127.0.0.1:{port}", timeout_s=0.2) as dead:
+        loop = make_loop(dead, settings(backoff_initial_s=0.01, backoff_max_s=0.08))
+        task = asyncio.create_task(loop.run())
+        seen: list[float] = []
+        for _ in range(60):
+            await asyncio.sleep(0.01)
+            if loop.state.backoff_s is not None:
+                seen.append(loop.state.backoff_s)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert seen and min(seen) == pytest.approx(0.01) and max(seen) == pytest.approx(0.08)
+    assert loop.state.loop_restarts == 0
+
+
+def test_a_short_server_lease_caps_the_back_off(fake: FakeLlamaServer) -> None:
+    loop = make_loop(UpstreamClient("http://127.0.0.1:1"), load_settings())
+    from controller.upstream import KvSnapshot
+
+    loop.state.snapshot = KvSnapshot.model_validate(kv_body(100, lease={"held": True, "ttl_s": 2, "age_ms": 0}))
+    with capture_logs() as logs:
+        assert loop._max_backoff() < 1.0
+    assert [e["event"] for e in logs] == ["loop.lease_shorter"]
+
+
+async def test_an_exception_inside_the_loop_is_logged_and_the_loop_restarted(
+    fake: FakeLlamaServer, client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = make_loop(client, settings(restart_delay_s=0.01))
+    calls = 0
+    real = loop.step
+
+    async def flaky() -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("a bug")
+        return await real()
+
+    monkeypatch.setattr(loop, "step", flaky)
+    with capture_logs() as logs:
+        task = asyncio.create_task(loop.run())
+        deadline = time.monotonic() + 5
+        while loop.state.polls < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert loop.state.loop_restarts == 1 and loop.state.polls >= 5
+    assert sample(loop, "kvctl_loop_restarts_total") == 1
+    crashed = [e for e in logs if e["event"] == "loop.crashed"]
+    assert len(crashed) == 1 and crashed[0]["log_level"] == "error" and crashed[0].get("exc_info")
+
+
+async def test_manual_park_pins_and_manual_resume_unpins(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    loop = make_loop(client)
+    task = asyncio.create_task(loop.run())
+    try:
+        fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 8, "t_arrival_ms": 1}])
+        res = await loop.manual(ManualAction.PARK, 0)
+        assert res.pinned and res.id_task == 8 and loop.state.history[8].pinned
+        # parked, with all the room in the pool: the policy leaves it alone
+        fake.kv = kv_body(
+            1000,
+            [
+                {
+                    "state": "parked",
+                    "n_cells": 100,
+                    "id_task": 8,
+                    "park": {"count": 1, "bytes": 51200, "t_parked_total_ms": 0, "parked_since_ms": NOW - 60_000},
+                }
+            ],
+        )
+        polls = loop.state.polls
+        while loop.state.polls < polls + 5:
+            await asyncio.sleep(0.01)
+        assert not [s for s in fake.seen if s.query.get("action") == "resume"]
+        assert sample(loop, "kvctl_pinned_requests") == 1
+        res = await loop.manual(ManualAction.RESUME, 0)
+        assert not res.pinned and not loop.state.history[8].pinned
+        with pytest.raises(ManualError) as info:
+            await loop.manual(ManualAction.PARK, 7)
+        assert info.value.status == 404
+        fake.queue("POST park", error(503, "unavailable_error", "park budget exceeded", retry_after=1))
+        fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 9, "t_arrival_ms": 1}])
+        with pytest.raises(ManualError) as info:
+            await loop.manual(ManualAction.PARK, 0)
+        assert info.value.status == 503 and info.value.retry_after_s == 1
+        assert 9 not in loop.state.history
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_pin_goes_with_its_task(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    loop = make_loop(client)
+    fake.kv = kv_body(1000, [{"state": "parked", "n_cells": 100, "id_task": 8}])
+    task = asyncio.create_task(loop.run())
+    try:
+        await loop.manual(ManualAction.PARK, 0)
+        assert loop.state.history[8].pinned
+        fake.kv = kv_body(1000, [{"state": "idle", "n_cells": 0}])  # its client went away
+        polls = loop.state.polls
+        while loop.state.polls < polls + 2:
+            await asyncio.sleep(0.01)
+        assert loop.state.history == {}
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
