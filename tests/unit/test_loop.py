@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -64,6 +63,15 @@ async def client(fake: FakeLlamaServer) -> AsyncIterator[UpstreamClient]:
 
 def make_loop(client: UpstreamClient, s: Settings | None = None) -> ControlLoop:
     return ControlLoop(client, s or settings(), Metrics(CollectorRegistry()), host=plenty, clock_ms=lambda: NOW)
+
+
+async def wait_polls(loop: ControlLoop, n: int, timeout_s: float = 5.0) -> None:
+    target = loop.state.polls + n
+    for _ in range(int(timeout_s / 0.01)):
+        if loop.state.polls >= target:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the loop polled {loop.state.polls} times, expected {target}")
 
 
 def sample(loop: ControlLoop, name: str, **labels: str) -> float:
@@ -182,9 +190,7 @@ async def test_an_exception_inside_the_loop_is_logged_and_the_loop_restarted(
     monkeypatch.setattr(loop, "step", flaky)
     with capture_logs() as logs:
         task = asyncio.create_task(loop.run())
-        deadline = time.monotonic() + 5
-        while loop.state.polls < 5 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_polls(loop, 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -213,9 +219,7 @@ async def test_manual_park_pins_and_manual_resume_unpins(fake: FakeLlamaServer, 
                 }
             ],
         )
-        polls = loop.state.polls
-        while loop.state.polls < polls + 5:
-            await asyncio.sleep(0.01)
+        await wait_polls(loop, 5)
         assert not [s for s in fake.seen if s.query.get("action") == "resume"]
         assert sample(loop, "kvctl_pinned_requests") == 1
         res = await loop.manual(ManualAction.RESUME, 0)
@@ -243,9 +247,7 @@ async def test_a_pin_goes_with_its_task(fake: FakeLlamaServer, client: UpstreamC
         await loop.manual(ManualAction.PARK, 0)
         assert loop.state.history[8].pinned
         fake.kv = kv_body(1000, [{"state": "idle", "n_cells": 0}])  # its client went away
-        polls = loop.state.polls
-        while loop.state.polls < polls + 2:
-            await asyncio.sleep(0.01)
+        await wait_polls(loop, 2)
         assert loop.state.history == {}
     finally:
         task.cancel()
