@@ -1,0 +1,125 @@
+"""Park and resume cost against snapshot size, with the host's memcpy bandwidth as the limit.
+
+    python bench/park_cost.py [--model bench|tiny] [--repeat 5]
+
+For sequences of 256 to 16384 cells, parks and resumes a generating request through the API and
+reports the server's own park_ms / resume_ms, the snapshot size and the resulting bandwidth, next
+to a numpy copy of the same number of bytes measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+
+import aiohttp
+import numpy as np
+
+from bench.common import build, model, pct, save, server, table
+from tests.integration.llama import post_action
+
+
+def memcpy_gbps(n_bytes: int, repeat: int = 5) -> float:
+    src = np.ones(max(n_bytes, 1), dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best / 1e9
+
+
+async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], int]:
+    park_ms, resume_ms, n_bytes = [], [], 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        body = {
+            "prompt": [1000 + (i % 20000) for i in range(n_cells)],
+            "n_predict": 100000,
+            "ignore_eos": True,
+            "stream": True,
+            "id_slot": 0,
+            "cache_prompt": False,
+        }
+        async with s.post(url + "/completion", json=body) as resp:
+            await resp.content.readline()  # generating now
+            for _ in range(repeat):
+                st, b, _ = await post_action(s, url, 0, "park")
+                assert st == 200, b
+                park_ms.append(b["timings"]["park_ms"])
+                n_bytes = b["n_bytes"]
+                st, b, _ = await post_action(s, url, 0, "resume")
+                assert st == 200, b
+                resume_ms.append(b["timings"]["resume_ms"])
+                await asyncio.sleep(0.05)
+            resp.close()
+    return park_ms, resume_ms, n_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    binary = build()
+    gguf = model(args.model, binary)
+    rows = []
+    with server(binary, gguf, "-c", "20480", "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048") as srv:
+        for n_cells in (256, 1024, 4096, 16384):
+            park, resume, n_bytes = asyncio.run(measure(srv.url, n_cells, args.repeat))
+            p50_park, p50_resume = statistics.median(park), statistics.median(resume)
+            rows.append(
+                (
+                    n_cells,
+                    n_bytes / 2**20,
+                    p50_park,
+                    pct(park, 0.9),
+                    p50_resume,
+                    pct(resume, 0.9),
+                    n_bytes / (p50_park / 1e3) / 1e9,
+                    n_bytes / (p50_resume / 1e3) / 1e9,
+                    memcpy_gbps(n_bytes),
+                )
+            )
+    out = table(
+        [
+            "cells",
+            "snapshot MiB",
+            "park p50 ms",
+            "park p90 ms",
+            "resume p50 ms",
+            "resume p90 ms",
+            "park GB/s",
+            "resume GB/s",
+            "memcpy GB/s",
+        ],
+        rows,
+    )
+    print(f"model: {args.model} ({gguf.name}), -fa on, CPU\n")
+    print(out)
+    save("park_cost.md", out + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.loglog([r[1] for r in rows], [r[2] for r in rows], "o-", label="park")
+        ax.loglog([r[1] for r in rows], [r[4] for r in rows], "s-", label="resume")
+        ax.set_xlabel("snapshot size (MiB)")
+        ax.set_ylabel("latency (ms, p50)")
+        ax.legend()
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(save("park_cost.png", "").parent / "park_cost.png")
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

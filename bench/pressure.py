@@ -1,0 +1,179 @@
+"""Pressure: does every request complete when concurrent chats overflow the KV pool?
+
+    python bench/pressure.py [--bands 8192,16384] [--modes upstream,safety-net,kvctl] [--quick]
+
+Bands of context size x workload mix x mode, measured side by side in one run:
+  upstream    the unpatched llama-server (pinned tree, no patches)
+  safety-net  the patched server alone (--auto-park, no controller)
+  kvctl       the patched server with kvctl's controller (and proxy) in front
+Per cell: completed/total, errors, parks, max and p99 parked wait, time to first token p50/p99,
+aggregate tokens/s and per-request slowdown against the same request run solo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from bench.common import build, model, pct, save, server, table
+from bench.streams import Timed, timed_stream
+from tests.integration.llama import NO_BYTE_TOKENS, parse_metrics
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: str | list[int]
+    n_predict: int
+    delay_s: float = 0.0
+
+
+def workloads(n_ctx: int) -> dict[str, list[Req]]:
+    long = int(n_ctx * 0.37)  # 4 of these overflow the pool mid-generation
+    return {
+        "equal-long": [Req(f"Story {i}:", long) for i in range(4)],
+        "mixed": [Req(f"Long {i}:", int(n_ctx * 0.45)) for i in range(2)]
+        + [Req(f"Short {i}:", 256, 0.2 * i) for i in range(6)],
+        "late-prompts": [Req(f"Chat {i}:", int(n_ctx * 0.3)) for i in range(3)]
+        + [Req([1000 + j + 7919 * i for j in range(n_ctx // 4)], 128, 1.0 + 0.5 * i) for i in range(2)],
+        # each reaches n_ctx - 1 logical tokens: they can only take turns in a pool of n_ctx cells
+        "full-ctx": [Req(f"Full {i}:", n_ctx - 16) for i in range(4)],
+    }
+
+
+async def run_cell(url: str, reqs: list[Req], metrics_url: str | None) -> tuple[list[Timed], float, float]:
+    async def one(s: aiohttp.ClientSession, r: Req) -> Timed:
+        await asyncio.sleep(r.delay_s)
+        return await timed_stream(
+            s,
+            url,
+            {
+                "prompt": r.prompt,
+                "n_predict": r.n_predict,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "logit_bias": NO_BYTE_TOKENS,
+            },
+        )
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0), timeout=timeout) as s:
+        parks0 = await parks(s, metrics_url)
+        t0 = time.monotonic()
+        results = await asyncio.gather(*[one(s, r) for r in reqs])
+        wall = time.monotonic() - t0
+        return list(results), wall, await parks(s, metrics_url) - parks0
+
+
+async def parks(s: aiohttp.ClientSession, metrics_url: str | None) -> float:
+    if metrics_url is None:
+        return 0.0
+    async with s.get(metrics_url + "/metrics") as resp:
+        return parse_metrics(await resp.text()).get("llamacpp:slot_parks_total", 0.0)
+
+
+@contextlib.contextmanager
+def kvctl_stack(binary: Path, gguf: Path, args: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """The patched server behind kvctl: yields (client URL, server URL)."""
+    from bench.kvctl_stack import start_stack  # imported lazily: needs the controller
+
+    with server(binary, gguf, *args) as srv, start_stack(srv.url) as proxy_url:
+        yield proxy_url, srv.url
+
+
+@contextlib.contextmanager
+def start_mode(
+    mode: str, patched: Path, unpatched: Path | None, gguf: Path, base: tuple[str, ...]
+) -> Iterator[tuple[str, str]]:
+    """Yields (URL the clients use, URL of the server's /metrics)."""
+    if mode == "kvctl":
+        with kvctl_stack(patched, gguf, (*base, "--no-auto-park")) as urls:
+            yield urls
+        return
+    binary = unpatched if mode == "upstream" else patched
+    assert binary is not None
+    with server(binary, gguf, *base) as srv:
+        yield srv.url, srv.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bands", default="8192,16384")
+    ap.add_argument("--modes", default="upstream,safety-net,kvctl")
+    ap.add_argument("--workloads", default="equal-long,mixed,late-prompts,full-ctx")
+    ap.add_argument("--quick", action="store_true", help="8192 only, two workloads")
+    args = ap.parse_args(argv)
+    bands = [8192] if args.quick else [int(b) for b in args.bands.split(",")]
+    names = ["equal-long", "late-prompts"] if args.quick else args.workloads.split(",")
+    modes = args.modes.split(",")
+
+    patched = build()
+    unpatched = build(patched=False) if "upstream" in modes else None
+    gguf = model("tiny", patched)
+    rows = []
+    solo: dict[int, float] = {}
+    for n_ctx in bands:
+        base = ("-c", str(n_ctx), "-np", "8", "-kvu", "--slots", "--metrics", "-b", "512")
+        for name in names:
+            reqs = workloads(n_ctx)[name]
+            with server(patched, gguf, *base) as srv:
+                for n in {r.n_predict for r in reqs} - solo.keys():
+                    one, _, _ = asyncio.run(run_cell(srv.url, [Req("Solo run:", n)], None))
+                    solo[n] = one[0].duration
+            for mode in modes:
+                with start_mode(mode, patched, unpatched, gguf, base) as (url, murl):
+                    results, wall, n_parks = asyncio.run(run_cell(url, reqs, None if mode == "upstream" else murl))
+                done = [r for r in results if r.ok and not r.error]
+                waits = [w for r in results for w in r.parked_waits]
+                slow = [r.duration / solo[q.n_predict] for r, q in zip(results, reqs, strict=True) if r.ok]
+                rows.append(
+                    (
+                        n_ctx,
+                        name,
+                        mode,
+                        f"{len(done)}/{len(reqs)}",
+                        len(reqs) - len(done),
+                        int(n_parks),
+                        max(waits, default=0.0),
+                        pct(waits, 0.99),
+                        pct([r.ttft for r in done], 0.5),
+                        pct([r.ttft for r in done], 0.99),
+                        sum(r.n_tokens for r in done) / wall,
+                        pct(slow, 0.5),
+                        max(slow, default=float("nan")),
+                    )
+                )
+                print(rows[-1], flush=True)
+    out = table(
+        [
+            "n_ctx",
+            "workload",
+            "mode",
+            "completed",
+            "errors",
+            "parks",
+            "max parked s",
+            "p99 parked s",
+            "TTFT p50 s",
+            "TTFT p99 s",
+            "tok/s",
+            "slowdown p50",
+            "slowdown max",
+        ],
+        rows,
+    )
+    print()
+    print(out)
+    save("pressure.md", out + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
