@@ -153,8 +153,10 @@ class Proxy:
 
     async def start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
+        # one connection per request: llama-server closes idle keep-alive connections, and a pooled one
+        # that it closed fails on write ("Can not write request body"); on loopback a connect costs ~0.1 ms
         self.session = aiohttp.ClientSession(
-            timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0, force_close=True)
         )
 
     async def stop(self, app: web.Application) -> None:
