@@ -374,7 +374,14 @@ class ControlLoop:
         self.state.resumes += 1
         self.metrics.resumes.labels(reason=str(reason)).inc()
         self.metrics.resume_seconds.observe(dt)
-        log.info("restore.done", **fields, resume_ms=r.timings.resume_ms, parked_ms=r.t_parked_ms, waited_ms=waited_ms)
+        log.info(
+            "restore.done",
+            **{**fields, "n_cells": r.n_cells},
+            expected_cells=fields.get("n_cells"),
+            resume_ms=r.timings.resume_ms,
+            parked_ms=r.t_parked_ms,
+            waited_ms=waited_ms,
+        )
 
     def _action_failed(self, action: str, e: UpstreamError, fields: dict[str, object]) -> None:
         self.state.action_failures += 1

@@ -236,14 +236,14 @@ class _Pool:
         return self.n_target if not self.n_draft else min(self.n_target, self.n_draft)
 
     def remove(self, slot: Slot) -> None:
-        self.used_target = max(0, self.used_target - slot.n_cells)
-        self.used_draft = max(0, self.used_draft - slot.n_cells)  # the draft sequence mirrors the target's
+        self.used_target = max(0, self.used_target - slot.cells)
+        self.used_draft = max(0, self.used_draft - slot.cells)  # the draft sequence mirrors the target's
         if slot.state is SlotState.GENERATING:
             self.step = max(0, self.step - _step_cells(slot))
 
     def add(self, slot: Slot) -> None:
-        self.used_target += slot.n_cells
-        self.used_draft += slot.n_cells
+        self.used_target += slot.cells
+        self.used_draft += slot.cells
         self.step += _step_cells(slot)
 
 
@@ -253,7 +253,7 @@ def _step_cells(slot: Slot) -> int:
 
 
 def _pool(kv: KvSnapshot) -> _Pool:
-    idle = sum(s.n_cells for s in kv.slots if s.state is SlotState.IDLE)
+    idle = sum(s.cells for s in kv.slots if s.state is SlotState.IDLE)
     return _Pool(
         n_target=kv.n_cells,
         used_target=kv.n_cells_used,
@@ -289,7 +289,7 @@ def largest_resident(slots: Sequence[Slot]) -> Slot | None:
     resident = [s for s in slots if s.is_resident]
     if not resident:
         return None
-    return max(resident, key=lambda s: (s.n_cells, -_arrival(s), -_task(s), -s.id))
+    return max(resident, key=lambda s: (s.cells, -_arrival(s), -_task(s), -s.id))
 
 
 @dataclass(slots=True)
@@ -326,7 +326,7 @@ class _Plan:
             if self.protected is not None and slot.id == self.protected.id:
                 skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.LARGEST))
                 continue
-            n_bytes = slot.n_cells * self.inp.kv.bytes_per_cell
+            n_bytes = slot.cells * self.inp.kv.bytes_per_cell
             if n_bytes > self.budget_left:
                 skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.BUDGET))
                 continue
@@ -338,7 +338,7 @@ class _Plan:
             self.budget_left -= n_bytes
             self.host_left -= n_bytes
             planned.append(
-                Action(ActionKind.PARK, slot.id, _task(slot), reason, slot.n_cells, n_bytes, self.pool.ratio())
+                Action(ActionKind.PARK, slot.id, _task(slot), reason, slot.cells, n_bytes, self.pool.ratio())
             )
         if all_or_nothing and not done():
             self.pool, self.budget_left, self.host_left, self.residents = saved
@@ -403,10 +403,10 @@ def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
     for s in _restore_order(cfg, waiting):
         task = _task(s)
         waited = inp.now_ms - s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
-        if s.n_cells + 1 > plan.pool.capacity():
+        if s.cells + 1 > plan.pool.capacity():
             if not plan.residents:
                 plan.actions.append(
-                    Action(ActionKind.END, s.id, task, Reason.CANNOT_FIT, s.n_cells, 0, plan.pool.ratio(), waited)
+                    Action(ActionKind.END, s.id, task, Reason.CANNOT_FIT, s.cells, 0, plan.pool.ratio(), waited)
                 )
             else:
                 plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.AWAIT_EMPTY_POOL))
@@ -416,8 +416,8 @@ def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
             continue
         is_head, head_seen = not head_seen, True
         step = _step_cells(s)
-        after = plan.pool.ratio(s.n_cells, step + cfg.margin_cells)
-        fits_free = s.n_cells <= plan.pool.free()
+        after = plan.pool.ratio(s.cells, step + cfg.margin_cells)
+        fits_free = s.cells <= plan.pool.free()
         if fits_free and not gpu_low and after <= cfg.low:
             _resume(plan, s, Reason.BELOW_LOW, waited)
             continue
@@ -448,8 +448,8 @@ def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
             slot.id,
             _task(slot),
             reason,
-            slot.n_cells,
-            slot.n_cells * plan.inp.kv.bytes_per_cell,
+            slot.cells,
+            slot.cells * plan.inp.kv.bytes_per_cell,
             plan.pool.ratio(),
             waited,
         )
@@ -462,7 +462,7 @@ def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
     step = _step_cells(slot)
 
     def fits() -> bool:
-        return slot.n_cells <= plan.pool.free() and plan.pool.ratio(slot.n_cells, step) < high
+        return slot.cells <= plan.pool.free() and plan.pool.ratio(slot.cells, step) < high
 
     if not fits() and not plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True):
         return False

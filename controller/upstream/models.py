@@ -66,6 +66,8 @@ class SlotState(StrEnum):
 class ParkInfo(_Shape):
     count: int
     bytes: int
+    n_cells: int | None = None
+    """Cells the snapshot restores into, where the server reports it."""
     t_parked_total_ms: float
     parked_since_ms: int | None = None
     auto: bool = False
@@ -83,6 +85,19 @@ class Slot(_Shape):
     n_draft_max: int = 0
     request_id: str | None = None
     park: ParkInfo
+
+    @property
+    def cells(self) -> int:
+        """Cells the request holds; for a parked one, the cells its resume needs.
+
+        A parked slot reports ``n_cells`` 0. At a quiescent point a generating sequence holds its
+        prompt and every generated token but the last one sampled, which the next step decodes.
+        """
+        if self.state is not SlotState.PARKED:
+            return self.n_cells
+        if self.park.n_cells is not None:
+            return self.park.n_cells
+        return max(self.n_cells, self.n_prompt + max(0, self.n_decoded - 1))
 
     @property
     def is_resident(self) -> bool:

@@ -46,12 +46,17 @@ def kv(
             n_draft += s.n_draft_max
         if state is SlotState.PROMPT:
             n_prompt += s.n_prompt_left
+        # like the server: a parked slot holds no cells; its size shows in its prompt and generated tokens
+        slot_prompt = s.n_cells // 2
+        slot_decoded = s.n_cells - slot_prompt + 1 if s.n_cells else 0
         out.append(
             Slot(
                 id=i,
                 id_task=task,
                 state=state,
-                n_cells=s.n_cells,
+                n_cells=0 if state is SlotState.PARKED else s.n_cells,
+                n_prompt=slot_prompt,
+                n_decoded=slot_decoded,
                 t_arrival_ms=s.t_arrival_ms if task is not None else None,
                 n_draft_max=s.n_draft_max,
                 park=ParkInfo(

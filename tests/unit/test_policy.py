@@ -41,6 +41,17 @@ def resumed_slots(d: Decision) -> list[int]:
     return [a.slot for a in d.resumes]
 
 
+# --- a parked request's size --------------------------------------------------------------------
+
+
+def test_a_parked_request_needs_its_prompt_and_generated_tokens_but_the_pending_one() -> None:
+    snap = kv(1000, [S("parked", 300, parked_since_ms=NOW)])
+    slot = snap.slots[0]
+    assert slot.n_cells == 0 and slot.cells == 300
+    reported = slot.model_copy(update={"park": slot.park.model_copy(update={"n_cells": 123})})
+    assert reported.cells == 123, "the server's own count wins when it reports one"
+
+
 # --- projected occupancy ---------------------------------------------------------------------------
 
 
@@ -439,24 +450,24 @@ def test_restores_stay_at_or_below_low_except_through_the_no_starvation_rule(
         elif a.kind is ActionKind.RESUME:
             own = 1 + s.n_draft_max
             used = [active, draft_used][: len(pools)]
-            after = max((u + s.n_cells + step + own + cfg.margin_cells) / n for u, n in zip(used, pools, strict=True))
+            after = max((u + s.cells + step + own + cfg.margin_cells) / n for u, n in zip(used, pools, strict=True))
             if a.reason is Reason.BELOW_LOW:
                 assert after <= cfg.low + 1e-9
                 assert not d.pressure.gpu_low
             elif a.reason is Reason.NOTHING_RESIDENT:
                 assert residents == 0
-                assert s.n_cells + 1 <= min(pools)
+                assert s.cells + 1 <= min(pools)
             else:
                 assert a.reason is Reason.STARVATION
                 assert NOW - (s.park.parked_since_ms or 0) >= cfg.max_wait_ms
-                assert max((u + s.n_cells + step + own) / n for u, n in zip(used, pools, strict=True)) < cfg.high
+                assert max((u + s.cells + step + own) / n for u, n in zip(used, pools, strict=True)) < cfg.high
                 head_waits.append(a.slot)
-            active += s.n_cells
-            draft_used += s.n_cells
+            active += s.cells
+            draft_used += s.cells
             step += own
             residents += 1
         else:
-            assert a.reason is Reason.CANNOT_FIT and residents == 0 and s.n_cells + 1 > min(pools)
+            assert a.reason is Reason.CANNOT_FIT and residents == 0 and s.cells + 1 > min(pools)
     assert len(head_waits) <= 1, "only the head of the restore order may starve its way in"
 
 

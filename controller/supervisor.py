@@ -1,0 +1,217 @@
+"""Start llama-server and keep it running (``kvctl run --spawn -- ARGV``).
+
+One task drives an explicit state machine; nothing else changes the state, so no lock is needed::
+
+    STOPPED --run()--> STARTING --/health 200--> READY
+    STARTING --exit, or no 200 in ready_timeout_s--> BACKOFF    (the exit is reported at once, marked early)
+    READY --exit--> BACKOFF --restart delay--> STARTING         (the delay doubles, reset once READY lasted)
+    any --stop()--> STOPPING --SIGTERM, then SIGKILL after stop_timeout_s--> STOPPED
+
+The server runs in its own process group, so signals reach whatever it started too. Readiness is
+``/health`` answering 200 or the child exiting, whichever comes first. Attaching to a server
+started elsewhere needs no supervisor: the control loop's back-off covers its restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import IO
+
+import structlog
+
+from controller.metrics import Metrics
+from controller.settings import Settings
+from controller.upstream import UpstreamClient, UpstreamError
+
+__all__ = ["ExitInfo", "Supervisor", "SupervisorState", "SupervisorStatus"]
+
+log = structlog.get_logger("kvctl.supervisor")
+
+
+class SupervisorState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+
+
+@dataclass(frozen=True, slots=True)
+class ExitInfo:
+    returncode: int
+    """Negative: killed by that signal."""
+    at_unix: float
+    early: bool
+    """It exited before it ever answered /health with 200."""
+    uptime_s: float
+
+
+@dataclass(slots=True)
+class SupervisorStatus:
+    state: SupervisorState = SupervisorState.STOPPED
+    pid: int | None = None
+    starts: int = 0
+    restarts: int = 0
+    ready_since_unix: float | None = None
+    last_exit: ExitInfo | None = None
+    next_start_in_s: float | None = None
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def ready_since(self) -> float | None:
+        return self.ready_since_unix
+
+
+class Supervisor:
+    """Spawns, watches and restarts one llama-server; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        argv = settings.supervisor.spawn
+        if not argv:
+            raise ValueError("supervisor.spawn is not set: nothing to supervise")
+        self.settings = settings
+        self.metrics = metrics
+        self.status = SupervisorStatus(argv=list(argv))
+        self._argv = list(argv)
+        self._on_start = on_start
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = asyncio.Event()
+        self._health = UpstreamClient(
+            str(settings.upstream.url), api_key=settings.upstream.api_key, timeout_s=settings.upstream.timeout_s
+        )
+
+    def _set(self, state: SupervisorState) -> None:
+        if self.status.state is not state:
+            log.debug("supervisor.state", state=str(state), previous=str(self.status.state))
+        self.status.state = state
+
+    async def run(self) -> None:
+        """Keep the server running until stop() (or cancellation, which also stops it)."""
+        cfg = self.settings.supervisor
+        delay = cfg.restart_backoff_initial_s
+        try:
+            while not self._stopping.is_set():
+                if self.status.starts > 0:
+                    self.status.restarts += 1
+                    self.metrics.upstream_restarts.inc()
+                ready = await self._start_and_watch()
+                if self._stopping.is_set():
+                    break
+                last = self.status.last_exit
+                if ready and last is not None and last.uptime_s >= cfg.stable_after_s:
+                    delay = cfg.restart_backoff_initial_s
+                self._set(SupervisorState.BACKOFF)
+                self.status.next_start_in_s = delay
+                log.info("supervisor.restart_scheduled", in_s=delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                self.status.next_start_in_s = None
+                delay = min(delay * 2, cfg.restart_backoff_max_s)
+        finally:
+            await asyncio.shield(self._terminate())
+            await self._health.close()
+            self._set(SupervisorState.STOPPED)
+
+    async def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; no restart after."""
+        self._stopping.set()
+        await self._terminate()
+
+    def _log_target(self) -> IO[bytes] | None:
+        path = self.settings.supervisor.log_file
+        return path.open("ab") if path is not None else None
+
+    async def _start_and_watch(self) -> bool:
+        """Start the server, wait for it to be ready, then for it to exit; True if it was ready."""
+        self._set(SupervisorState.STARTING)
+        self.status.ready_since_unix = None
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # systemd's socket is kvctl's
+        out = self._log_target()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT if out is not None else None,
+                start_new_session=True,
+                env=env,
+            )
+        except OSError as e:
+            log.error("supervisor.spawn_failed", argv0=self._argv[0], error=str(e))
+            self.status.last_exit = ExitInfo(returncode=127, at_unix=time.time(), early=True, uptime_s=0.0)
+            return False
+        finally:
+            if out is not None:
+                out.close()
+        self._proc = proc
+        self.status.pid = proc.pid
+        self.status.starts += 1
+        started = time.monotonic()
+        log.info("supervisor.started", pid=proc.pid, start=self.status.starts)
+        if self._on_start is not None:
+            self._on_start()
+        ready = await self._wait_ready(proc)
+        if ready:
+            self._set(SupervisorState.READY)
+            self.status.ready_since_unix = time.time()
+            log.info("supervisor.ready", pid=proc.pid, after_s=round(time.monotonic() - started, 3))
+            await proc.wait()
+        rc = proc.returncode if proc.returncode is not None else -1
+        info = ExitInfo(returncode=rc, at_unix=time.time(), early=not ready, uptime_s=time.monotonic() - started)
+        self.status.last_exit = info
+        self.status.ready_since_unix = None
+        if not self._stopping.is_set():
+            event = "supervisor.exited_early" if info.early else "supervisor.exited"
+            log.error(event, pid=proc.pid, returncode=rc, uptime_s=round(info.uptime_s, 3))
+        return ready
+
+    async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:
+        """/health 200 (True) or the child's exit (False), whichever comes first."""
+        cfg = self.settings.supervisor
+        exited = asyncio.create_task(proc.wait(), name="llama-server exit")
+        deadline = time.monotonic() + cfg.ready_timeout_s
+        try:
+            while not exited.done():
+                with contextlib.suppress(UpstreamError):
+                    if await self._health.health():
+                        return True
+                if time.monotonic() > deadline:
+                    log.error("supervisor.not_ready", pid=proc.pid, timeout_s=cfg.ready_timeout_s)
+                    await self._terminate()
+                    break
+                await asyncio.wait({exited}, timeout=cfg.health_interval_s)
+            return False
+        finally:
+            if not exited.done():
+                exited.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await exited
+
+    async def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        if self._stopping.is_set():
+            self._set(SupervisorState.STOPPING)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.settings.supervisor.stop_timeout_s)
+        except TimeoutError:
+            log.warning("supervisor.kill", pid=proc.pid, after_s=self.settings.supervisor.stop_timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
