@@ -1,0 +1,215 @@
+"""The admin listener: status, metrics, probes, and manual park/resume overrides.
+
+| route | what |
+|---|---|
+| ``GET /status`` | the Status model (controller.status) as JSON |
+| ``GET /metrics`` | kvctl's own Prometheus metrics |
+| ``GET /healthz`` | liveness: the process and its control loop run (200/503) |
+| ``GET /readyz`` | readiness: upstream up and the pool not saturated, with hysteresis (200/503) |
+| ``POST /slots/{id}/park`` | park the slot's request and pin it: the policy leaves it parked |
+| ``POST /slots/{id}/resume`` | resume it (and unpin) |
+
+With ``admin.token`` set, every route but the two probes needs ``Authorization: Bearer TOKEN``.
+Errors use the OpenAI envelope and ``X-Kvctl-Origin: kvctl``, so they are told apart from the server's.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+import structlog
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from controller.loop import ControlLoop, ManualAction, ManualError
+from controller.metrics import kvctl_version
+from controller.policy import PolicyConfig
+from controller.settings import Settings
+from controller.status import Status, build_status
+from controller.supervisor import Supervisor
+from controller.upstream import SlotState
+
+__all__ = ["Readiness", "make_admin_app"]
+
+log = structlog.get_logger("kvctl.admin")
+
+ORIGIN = {"X-Kvctl-Origin": "kvctl"}
+LOOP_STALL_S = 30.0  # an iteration takes at most a few request timeouts plus the longest back-off
+
+
+def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> web.Response:
+    etype = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
+        status, "conflict_error" if status == 409 else "server_error"
+    )
+    headers = dict(ORIGIN)
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    return web.json_response(
+        {"error": {"message": message, "type": etype, "param": None, "code": code}}, status=status, headers=headers
+    )
+
+
+@dataclass(slots=True)
+class Readiness:
+    """Ready when the upstream is up and the pool is not saturated, with hysteresis.
+
+    Saturated: requests wait to be restored and the pool is above LOW, so nothing more can start.
+    It must last ``unready_after_s`` to turn readiness off, and relief (nobody waiting, or the pool
+    at or below LOW) must last ``ready_after_s`` to turn it on again. A lost upstream turns it off
+    at once; the first time the upstream is seen up, it turns on at once.
+    """
+
+    unready_after_s: float
+    ready_after_s: float
+    ready: bool = False
+    _saturated_since: float | None = None
+    _relieved_since: float | None = None
+    _held_back: bool = False  # made unready by saturation: coming back needs sustained relief
+
+    def update(self, upstream_up: bool, saturated: bool, now: float) -> bool:
+        if not upstream_up:
+            self.ready, self._held_back = False, False
+            self._saturated_since = self._relieved_since = None
+            return False
+        if saturated:
+            self._relieved_since = None
+            if self._saturated_since is None:
+                self._saturated_since = now
+            if self.ready and now - self._saturated_since >= self.unready_after_s:
+                self.ready, self._held_back = False, True
+            elif not self.ready and not self._held_back and now - self._saturated_since >= self.unready_after_s:
+                self._held_back = True
+        else:
+            self._saturated_since = None
+            if self._relieved_since is None:
+                self._relieved_since = now
+            if not self.ready and (not self._held_back or now - self._relieved_since >= self.ready_after_s):
+                self.ready, self._held_back = True, False
+        return self.ready
+
+
+def _saturated(loop: ControlLoop, config: PolicyConfig) -> bool:
+    kv = loop.state.snapshot
+    decision = loop.state.decision
+    if kv is None or decision is None:
+        return False
+    waiting = any(
+        s.state is SlotState.PARKED
+        and not (s.id_task is not None and s.id_task in loop.state.history and loop.state.history[s.id_task].pinned)
+        for s in kv.slots
+    )
+    return waiting and decision.pressure.value > config.low
+
+
+@dataclass(slots=True)
+class _Admin:
+    settings: Settings
+    loop: ControlLoop
+    supervisor: Supervisor | None
+    loop_alive: Callable[[], bool]
+    readiness: Readiness
+
+    def evaluate(self) -> tuple[bool, list[str]]:
+        state = self.loop.state
+        ready = self.readiness.update(state.upstream_up, _saturated(self.loop, self.loop.config), time.monotonic())
+        problems = []
+        if not state.upstream_up:
+            problems.append(f"upstream down: {state.last_error or 'not polled yet'}")
+        elif not ready:
+            problems.append("saturated: parked requests wait and the pool is above LOW")
+        if not self.loop_healthy():
+            problems.append("control loop not running")
+        if self.supervisor is not None and self.supervisor.status.state != "ready":
+            problems.append(f"supervised server {self.supervisor.status.state}")
+        return ready and self.loop_healthy(), problems
+
+    def loop_healthy(self) -> bool:
+        return self.loop_alive() and time.monotonic() - self.loop.state.heartbeat_monotonic < LOOP_STALL_S
+
+    def status(self) -> Status:
+        ready, problems = self.evaluate()
+        return build_status(
+            version=kvctl_version(),
+            url=str(self.settings.upstream.url),
+            state=self.loop.state,
+            config=self.loop.config,
+            loop_alive=self.loop_healthy(),
+            ready=ready,
+            problems=problems,
+            supervisor=self.supervisor.status if self.supervisor is not None else None,
+        )
+
+
+_ADMIN = web.AppKey("admin", _Admin)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_admin_app(
+    settings: Settings,
+    loop: ControlLoop,
+    *,
+    supervisor: Supervisor | None = None,
+    loop_alive: Callable[[], bool] = lambda: True,
+) -> web.Application:
+    token = settings.admin.token.get_secret_value() if settings.admin.token is not None else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is not None and request.path not in ("/healthz", "/readyz"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return error_response(401, "a bearer token is required", "unauthorized")
+        return await handler(request)
+
+    app = web.Application(middlewares=[auth])
+    app[_ADMIN] = _Admin(
+        settings,
+        loop,
+        supervisor,
+        loop_alive,
+        Readiness(settings.admin.unready_after_s, settings.admin.ready_after_s),
+    )
+    metrics_handler = make_aiohttp_handler(loop.metrics.registry)
+    app.router.add_get("/status", _status)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_post("/slots/{id}/park", _manual)
+    app.router.add_post("/slots/{id}/resume", _manual)
+    return app
+
+
+async def _status(request: web.Request) -> web.StreamResponse:
+    status = request.app[_ADMIN].status()
+    return web.Response(text=status.model_dump_json(), content_type="application/json")
+
+
+async def _healthz(request: web.Request) -> web.StreamResponse:
+    if request.app[_ADMIN].loop_healthy():
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "control loop not running"}, status=503)
+
+
+async def _readyz(request: web.Request) -> web.StreamResponse:
+    ready, problems = request.app[_ADMIN].evaluate()
+    if ready:
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "not ready", "problems": problems}, status=503)
+
+
+async def _manual(request: web.Request) -> web.StreamResponse:
+    admin = request.app[_ADMIN]
+    raw = request.match_info["id"]
+    if not raw.isdigit() or len(raw) > 9:
+        return error_response(400, f"invalid slot id {raw!r}: expected a non-negative integer", "invalid_slot")
+    action = ManualAction.PARK if request.path.endswith("/park") else ManualAction.RESUME
+    try:
+        result = await admin.loop.manual(action, int(raw))
+    except ManualError as e:
+        log.warning("manual.failed", action=str(action), slot=int(raw), status=e.status, error=str(e))
+        return error_response(e.status, str(e), "manual_" + str(action) + "_failed", e.retry_after_s)
+    log.info("manual.done", action=str(action), slot=result.slot, id_task=result.id_task, pinned=result.pinned)
+    return web.json_response({**asdict(result), "action": str(result.action)}, headers=ORIGIN)
