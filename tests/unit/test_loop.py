@@ -159,7 +159,8 @@ async def test_back_off_grows_but_stays_under_half_the_lease() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert seen and min(seen) == pytest.approx(0.01) and max(seen) == pytest.approx(0.08)
+    assert seen and {round(b, 3) for b in seen} <= {0.01, 0.02, 0.04, 0.08}, "doubling from the initial one"
+    assert max(seen) == pytest.approx(0.08), "and capped"
     assert loop.state.loop_restarts == 0
 
 
