@@ -165,13 +165,15 @@ def make_admin_app(
         return await handler(request)
 
     app = web.Application(middlewares=[auth])
-    app[_ADMIN] = _Admin(
+    admin = _Admin(
         settings,
         loop,
         supervisor,
         loop_alive,
         Readiness(settings.admin.unready_after_s, settings.admin.ready_after_s),
     )
+    app[_ADMIN] = admin
+    loop.add_poll_listener(admin.evaluate)  # readiness' timers follow every poll, not only probe calls
     metrics_handler = make_aiohttp_handler(loop.metrics.registry)
     app.router.add_get("/status", _status)
     app.router.add_get("/metrics", metrics_handler)

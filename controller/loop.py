@@ -139,6 +139,7 @@ class ControlLoop:
         self._wake = asyncio.Event()
         self._lease_warned = False
         self._forget_pending = False
+        self._poll_listeners: list[Callable[[], object]] = []
 
     # --- public ----------------------------------------------------------------------------------
 
@@ -154,6 +155,10 @@ class ControlLoop:
                 self.metrics.loop_restarts.inc()
                 log.exception("loop.crashed", restart_in_s=self.settings.loop.restart_delay_s)
                 await asyncio.sleep(self.settings.loop.restart_delay_s)
+
+    def add_poll_listener(self, listener: Callable[[], object]) -> None:
+        """Called after every poll, answered or not (readiness keeps its timers with it)."""
+        self._poll_listeners.append(listener)
 
     def forget(self, why: str) -> None:
         """Drop what the loop knows about the server's tasks (it restarted); done before the next poll."""
@@ -195,6 +200,8 @@ class ControlLoop:
             self.state.heartbeat_monotonic = t0
             await self._run_commands()
             ok = await self.step()
+            for listener in self._poll_listeners:
+                listener()
             if ok:
                 backoff = None
                 delay = max(0.0, self.settings.loop.poll_interval_s - (time.monotonic() - t0))
