@@ -203,3 +203,33 @@ def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["nope"]) == 2
     assert main(["run", "--upstream", "ftp://x"]) == 2
     assert "invalid setting upstream.url" in capsys.readouterr().err
+
+
+async def test_readyz_turns_unready_while_parked_requests_wait_above_low(fake: FakeLlamaServer) -> None:
+    async for app, url in start_app(fake, unready_after_s=0.05, ready_after_s=0.2):
+        await wait_polled(app)
+        assert (await get(url + "/readyz"))[0] == 200
+        # 850 of 1000 cells resident and a request waiting to be restored: saturated
+        fake.kv = kv_body(
+            1000,
+            [
+                {"state": "generating", "n_cells": 850, "id_task": 8, "t_arrival_ms": 1},
+                {
+                    "state": "parked",
+                    "n_cells": 0,
+                    "n_prompt": 50,
+                    "n_decoded": 51,
+                    "id_task": 9,
+                    "park": {"count": 1, "bytes": 0, "t_parked_total_ms": 0, "parked_since_ms": 10**13},
+                },
+            ],
+        )
+        await wait_polled(app, 20)
+        code, body = await get(url + "/readyz")
+        assert code == 503 and "saturated" in body
+        fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 8, "t_arrival_ms": 1}, {}])
+        await wait_polled(app, 2)
+        assert (await get(url + "/readyz"))[0] == 503, "relief must last ready_after_s"
+        await asyncio.sleep(0.3)
+        await wait_polled(app, 2)
+        assert (await get(url + "/readyz"))[0] == 200
