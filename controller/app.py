@@ -10,7 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import sys
+import time
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -20,6 +24,8 @@ from controller.admin import make_admin_app
 from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.probes import GpuProbe
+from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
+from controller.proxy.app import run_site
 from controller.settings import LogFormat, LogSettings, Settings, split_host_port
 from controller.supervisor import Supervisor
 from controller.upstream import UpstreamClient
@@ -50,6 +56,25 @@ def configure_logging(settings: LogSettings) -> None:
     )
 
 
+def notify_socket() -> socket.socket | None:
+    """The systemd notification socket ($NOTIFY_SOCKET), connected; None when not started by systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return None
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]  # abstract namespace
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.connect(addr)
+    sock.setblocking(False)
+    return sock
+
+
+def watchdog_interval_s() -> float:
+    """Half of systemd's WatchdogSec ($WATCHDOG_USEC), or 10 s when no watchdog is set."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    return int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else 10.0
+
+
 class App:
     """Everything ``kvctl run`` starts; ``run()`` returns when ``stop`` is set or a root task fails."""
 
@@ -65,6 +90,8 @@ class App:
         if settings.supervisor.spawn:
             self.supervisor = Supervisor(settings, self.metrics, on_start=self._server_started)
         self.admin_addresses: list[str] = []
+        self.gate = AdmissionGate()
+        self._proxy_cleanup: Callable[[], Awaitable[None]] | None = None
         self.started = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -74,14 +101,55 @@ class App:
     def _loop_alive(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
-    async def _start_proxy(self) -> None:
-        """Hook for the client-facing reverse proxy (controller/proxy, its own issue).
+    def _update_gate(self) -> None:
+        """After every poll: what the policy says about new requests becomes the proxy's gate."""
+        verdict = self.loop.admission(self.settings.proxy.admission_reserve_cells)
+        if verdict is None:
+            self.gate.refuse_reason = f"llama-server is not answering ({self.loop.state.last_error})"
+            self.gate.update(None)
+            return
+        self.gate.refuse_reason = None
+        self.gate.update(None if verdict.admit else verdict.reason)
 
-        It will listen on ``settings.proxy.listen``, relay to the upstream and ask
-        ``controller.policy.admission`` before admitting a request. Until it is wired here,
-        clients talk to the server directly and the controller only parks and resumes.
-        """
-        log.info("proxy.not_started", listen=self.settings.proxy.listen, reason="not wired into kvctl run yet")
+    async def _start_proxy(self) -> None:
+        """The client-facing reverse proxy: relays to the upstream, asks the gate before admitting."""
+        p = self.settings.proxy
+        config = ProxyConfig(
+            upstream=str(self.settings.upstream.url).rstrip("/"),
+            upstream_api_key=self.settings.upstream.api_key.get_secret_value()
+            if self.settings.upstream.api_key
+            else None,
+            heartbeat_s=p.heartbeat_s,
+            queue_grace_s=p.queue_grace_s,
+            queue_depth=p.queue_depth,
+            queue_timeout_s=p.queue_timeout_s,
+            write_timeout_s=p.write_timeout_s,
+            max_body_bytes=p.max_body_bytes,
+            connect_timeout_s=self.settings.upstream.timeout_s,
+            expose_private_routes=p.expose_private_routes,
+            retry_after_s=p.retry_after_s,
+        )
+        self.loop.add_poll_listener(self._update_gate)
+        host, port = split_host_port(p.listen)
+        self._proxy_cleanup = await run_site(make_proxy_app(config, self.gate, self.metrics.registry), host, port)
+        log.info("proxy.started", listen=p.listen)
+
+    async def _notify_systemd(self) -> None:
+        """Type=notify: READY=1 once the proxy listens and a poll was answered, then WATCHDOG=1 while the loop runs."""
+        sock = notify_socket()
+        if sock is None:
+            await asyncio.Event().wait()  # not under systemd: nothing to do, ever
+            return
+        answered = asyncio.Event()
+        self.loop.add_poll_listener(lambda: answered.set() if self.loop.state.polls > 0 else None)
+        await answered.wait()
+        sock.send(b"READY=1\nSTATUS=kvctl is polling llama-server")
+        log.info("systemd.ready")
+        interval = watchdog_interval_s()
+        while True:
+            await asyncio.sleep(interval)
+            if self._loop_alive() and time.monotonic() - self.loop.state.heartbeat_monotonic < interval * 2:
+                sock.send(b"WATCHDOG=1")
 
     async def run(self, stop: asyncio.Event) -> int:
         host, port = split_host_port(self.settings.admin.listen)
@@ -109,7 +177,12 @@ class App:
             if self.supervisor is not None:
                 tasks["supervisor"] = asyncio.create_task(self.supervisor.run(), name="supervisor")
             self._loop_task = tasks["control loop"] = asyncio.create_task(self.loop.run(), name="control loop")
-            await self._start_proxy()
+            try:
+                await self._start_proxy()
+            except OSError as e:
+                log.error("proxy.listen_failed", listen=self.settings.proxy.listen, error=str(e))
+                return 1
+            tasks["systemd notify"] = asyncio.create_task(self._notify_systemd(), name="systemd notify")
             self.started.set()
             stopper = asyncio.create_task(stop.wait(), name="stop flag")
             done, _ = await asyncio.wait([stopper, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
@@ -131,6 +204,8 @@ class App:
             for task in tasks.values():
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, self.settings.supervisor.stop_timeout_s + 5)
+            if self._proxy_cleanup is not None:
+                await self._proxy_cleanup()
             await runner.cleanup()
             await self.client.close()
             self.gpu.close()

@@ -23,11 +23,13 @@ from controller.metrics import Metrics
 from controller.policy import (
     Action,
     ActionKind,
+    Admission,
     Decision,
     PolicyConfig,
     PolicyInput,
     Reason,
     TaskHistory,
+    admission,
     decide,
 )
 from controller.probes import GpuProbe, GpuReading, HostMemory, read_host_memory
@@ -164,6 +166,17 @@ class ControlLoop:
         """Drop what the loop knows about the server's tasks (it restarted); done before the next poll."""
         self._forget_pending = True
         log.info("loop.forget", reason=why)
+
+    def admission(self, n_prompt_cells: int) -> Admission | None:
+        """What the policy says about a new request now, from the last answered poll; None while the server is down."""
+        kv = self.state.snapshot
+        if kv is None or not self.state.upstream_up:
+            return None
+        if kv.n_slots_idle == 0:
+            # parked requests keep their slots: a request the server has no slot for would wait inside the
+            # server, invisible to the queue
+            return Admission(False, "no idle slot")
+        return admission(self._input(kv), self.config, n_prompt_cells)
 
     def reset_maxima(self) -> None:
         self.state.max_pressure = 0.0

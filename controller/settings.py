@@ -112,10 +112,40 @@ class UpstreamSettings(_Group):
 
 
 class ProxySettings(_Group):
-    """The client-facing reverse proxy (a later issue; clients talk to the server directly until then)."""
+    """The client-facing reverse proxy: streams that survive parking, admission that protects running chats."""
 
     listen: HostPort = "127.0.0.1:8080"
     """Where clients connect. 8080 is llama-server's own default, so clients need no change when kvctl fronts it."""
+
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    """Longest silence on a stream before the proxy sends an SSE comment. Node's HTTP client gives up after 300 s
+    and some frontends after 120 s; 5 s also keeps idle-killing reverse proxies in between quiet."""
+
+    queue_depth: int = Field(default=256, ge=0)
+    """Requests that may wait for admission at once; the next one gets 503 with Retry-After."""
+
+    queue_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds a request may wait for admission before it gets 503 (or an error event if it already streams)."""
+
+    queue_grace_s: float = Field(default=2.0, ge=0)
+    """A streaming request queued longer than this gets its SSE headers and heartbeats, so its client waits."""
+
+    write_timeout_s: float = Field(default=60.0, gt=0)
+    """A client that accepts no bytes for this long is cut off, so a stalled reader cannot hold a slot."""
+
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    """Largest request body; a larger one gets 413."""
+
+    admission_reserve_cells: int = Field(default=512, ge=0)
+    """Cells a new request is assumed to need when admission checks the pool against HIGH (its prompt is not
+    tokenized yet)."""
+
+    expose_private_routes: bool = False
+    """Pass /slots, /kv, /metrics and slot actions through the public listener. Off: a client could otherwise park
+    someone else's chat, read other users' requests or renew the controller's lease."""
+
+    retry_after_s: int = Field(default=2, ge=1)
+    """The Retry-After value of the proxy's 503 answers."""
 
 
 class AdminSettings(_Group):

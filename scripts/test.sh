@@ -24,6 +24,20 @@ if [ ! -f "$venv/.kvctl-installed" ] || [ pyproject.toml -nt "$venv/.kvctl-insta
     touch "$venv/.kvctl-installed"
 fi
 
+# the deploy/ tests check the systemd units and Prometheus rules with the real tools
+missing=()
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test.sh: installing ${missing[*]} (Debian packages)" >&2
+        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >&2
+    else
+        echo "test.sh: warning: ${missing[*]} not installed; the deploy/ tests will fail under CI" >&2
+    fi
+fi
+
 # the build must not share the 2 cores with server tests: build first, then test
 LLAMA_SERVER_BIN_PATH="$(bash scripts/build_llama.sh | tail -n 1)"
 KVCTL_VOCAB_DIR="$(dirname "$(dirname "$LLAMA_SERVER_BIN_PATH")")/vocab"

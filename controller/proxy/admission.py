@@ -26,6 +26,8 @@ class AdmissionGate:
     def __init__(self) -> None:
         self._reason: str | None = None
         self._changed = asyncio.Event()
+        self.refuse_reason: str | None = None
+        """Set while new requests must be refused at once (the server is down or not answering)."""
 
     @property
     def hold_reason(self) -> str | None:

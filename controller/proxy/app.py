@@ -223,6 +223,11 @@ class Proxy:
             # malformed: the server answers it, exactly as it would without kvctl
             return await self.forward(request, body, request_id, client_request_id, stream=False)
         stream = bool(payload.get("stream", False))
+        if self.gate.refuse_reason is not None:
+            self.count(request.path, 503)
+            return error_response(
+                503, self.gate.refuse_reason, "upstream_unavailable", retry_after=self.config.retry_after_s
+            )
 
         entry = Inflight(request_id, client_request_id, request.path, time.monotonic())
         self.inflight[request_id] = entry

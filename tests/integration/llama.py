@@ -229,7 +229,11 @@ def parse_metrics(text: str) -> dict[str, float]:
         elif line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             base = name.split("{", 1)[0]
-            assert base in typed, f"{base} has no # TYPE line"
+            family = base
+            for suffix in ("_bucket", "_count", "_sum", "_created", "_total"):
+                if base.endswith(suffix) and base.removesuffix(suffix) in typed:
+                    family = base.removesuffix(suffix)
+            assert family in typed, f"{base} has no # TYPE line"
             if "{" not in name:
                 values[name] = float(value)
     return values
