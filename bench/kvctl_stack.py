@@ -1,0 +1,73 @@
+"""kvctl as an operator runs it: `kvctl run` in its own process, in front of a server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.integration.llama import free_port
+
+
+@contextlib.contextmanager
+def start_stack(upstream: str, *extra: str) -> Iterator[str]:
+    """Yields the proxy's URL; kvctl's admin listener is at `stack_admin(url)`."""
+    pport, aport = free_port(), free_port()
+    log = Path(tempfile.mkstemp(prefix="kvctl-bench-", suffix=".log")[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "controller.cli",
+        "run",
+        "--upstream",
+        upstream,
+        "--listen",
+        f"127.0.0.1:{pport}",
+        "--admin",
+        f"127.0.0.1:{aport}",
+        *extra,
+    ]
+    env = {**os.environ, "KVCTL_LOG__FORMAT": "json"}
+    with log.open("ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    _ADMIN[f"http://127.0.0.1:{pport}"] = (f"http://127.0.0.1:{aport}", proc.pid)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvctl exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{aport}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise TimeoutError("kvctl did not become ready:\n" + log.read_text()[-2000:])
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{pport}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+_ADMIN: dict[str, tuple[str, int]] = {}
+
+
+def stack_admin(proxy_url: str) -> str:
+    return _ADMIN[proxy_url][0]
+
+
+def stack_pid(proxy_url: str) -> int:
+    return _ADMIN[proxy_url][1]
