@@ -1,0 +1,74 @@
+"""The quickstart's demo: a burst of concurrent chats that would overflow the pool.
+
+    python -m controller.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000]
+
+Sends the chats through kvctl's proxy with the openai SDK, then prints how many completed and how
+many parks it took (kvctl's own and the server's safety net's). Exit 0 only if every chat completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import aiohttp
+import openai
+
+
+async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, int, str]:
+    try:
+        stream = await client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": f"Tell story number {i}."}], max_tokens=tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        n = 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+        return n == tokens, n, ""
+    except openai.APIError as e:
+        return False, 0, str(e)
+
+
+async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float:
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and not line.startswith("#"))
+
+
+async def run(args: argparse.Namespace) -> int:
+    client = openai.AsyncOpenAI(base_url=args.proxy + "/v1", api_key="demo", timeout=600)
+    async with aiohttp.ClientSession() as s:
+        kvctl0 = await metric(s, args.admin, "kvctl_parks_total")
+        auto0 = await metric(s, args.server, "llamacpp:slot_auto_parks_total")
+        t0 = time.monotonic()
+        print(f"demo: {args.chats} concurrent chats of {args.tokens} tokens each, through {args.proxy}", flush=True)
+        results = await asyncio.gather(*[chat(client, i, args.tokens) for i in range(args.chats)])
+        wall = time.monotonic() - t0
+        kvctl_parks = await metric(s, args.admin, "kvctl_parks_total") - kvctl0
+        auto_parks = await metric(s, args.server, "llamacpp:slot_auto_parks_total") - auto0
+    await client.close()
+    done = sum(ok for ok, _, _ in results)
+    for i, (ok, n, err) in enumerate(results):
+        print(f"  chat {i}: {'completed' if ok else 'FAILED'}, {n} tokens{(' - ' + err) if err else ''}")
+    print(f"demo: {done}/{len(results)} chats completed in {wall:.1f} s; parks: {int(kvctl_parks)} by kvctl, "
+          f"{int(auto_parks)} by the server's safety net")
+    return 0 if done == len(results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m controller.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proxy", default="http://127.0.0.1:8080")
+    ap.add_argument("--admin", default="http://127.0.0.1:8091")
+    ap.add_argument("--server", default="http://127.0.0.1:8081")
+    ap.add_argument("--chats", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=3000)
+    return asyncio.run(run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
