@@ -7,7 +7,7 @@ tests/unit/test_deploy.py runs --check and fails when a panel queries a metric t
 (controller/) nor the patched llama-server exports.
 
 Conventions (vLLM's generated dashboards): a stable uid, the data source as a template variable
-(`${DS_PROMETHEUS}`, a `datasource` variable, not an `__inputs` placeholder, so the file works
+(`${datasource}`, a `datasource` variable, not an `__inputs` placeholder, so the file works
 both with file provisioning and with the UI's import), counters through `rate()` over
 `$__rate_interval`, ratios guarded against an empty denominator, every panel's description ending
 with the metrics it reads. The `replica` label joins kvctl's and the server's series of one
@@ -30,7 +30,7 @@ from controller.settings import PolicySettings  # noqa: E402
 
 OUT = Path(__file__).with_name("kvctl-dashboard.json")
 UID = "kvctl-overview"
-DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+DS = {"type": "prometheus", "uid": "${datasource}"}
 R = 'replica=~"$replica"'  # every selector carries it
 RI = "$__rate_interval"
 
@@ -549,7 +549,7 @@ def templating() -> list[dict[str, Any]]:
     return [
         {
             "type": "datasource",
-            "name": "DS_PROMETHEUS",
+            "name": "datasource",
             "label": "Data source",
             "query": "prometheus",
             "regex": "",

@@ -311,17 +311,17 @@ def test_dashboard_is_provisionable() -> None:
     assert dashboard["uid"] == "kvctl-overview" and dashboard["id"] is None
     assert "__inputs" not in dashboard, "__inputs placeholders break file provisioning"
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
-    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24, panel["title"]
         if panel["type"] != "row":
-            assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
             assert panel["targets"], panel["title"]
-            assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in panel["targets"])
+            assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
     # the thresholds the dashboard draws are kvctl's defaults
     assert float(variables["high"]["query"]) == DEFAULTS.policy.high
     assert float(variables["low"]["query"]) == DEFAULTS.policy.low
