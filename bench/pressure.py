@@ -5,7 +5,8 @@
 Bands of context size x workload mix x mode, measured side by side in one run:
   upstream    the unpatched llama-server (pinned tree, no patches)
   safety-net  the patched server alone (--auto-park, no controller)
-  kvctl       the patched server with kvctl's controller (and proxy) in front
+  kvctl       the patched server with kvctl's controller (and proxy) in front, its safety net off
+  kvctl-seed  the same with the seed's restore order (most-parked, then longest-waiting)
 Per cell: completed/total, errors, parks, max and p99 parked wait, time to first token p50/p99,
 aggregate tokens/s and per-request slowdown against the same request run solo.
 """
@@ -80,11 +81,11 @@ async def parks(s: aiohttp.ClientSession, metrics_url: str | None) -> float:
 
 
 @contextlib.contextmanager
-def kvctl_stack(binary: Path, gguf: Path, args: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+def kvctl_stack(binary: Path, gguf: Path, args: tuple[str, ...], env: dict[str, str]) -> Iterator[tuple[str, str]]:
     """The patched server behind kvctl: yields (client URL, server URL)."""
     from bench.kvctl_stack import start_stack  # imported lazily: needs the controller
 
-    with server(binary, gguf, *args) as srv, start_stack(srv.url) as proxy_url:
+    with server(binary, gguf, *args) as srv, start_stack(srv.url, env=env) as proxy_url:
         yield proxy_url, srv.url
 
 
@@ -93,8 +94,9 @@ def start_mode(
     mode: str, patched: Path, unpatched: Path | None, gguf: Path, base: tuple[str, ...]
 ) -> Iterator[tuple[str, str]]:
     """Yields (URL the clients use, URL of the server's /metrics)."""
-    if mode == "kvctl":
-        with kvctl_stack(patched, gguf, (*base, "--no-auto-park")) as urls:
+    if mode in ("kvctl", "kvctl-seed"):
+        env = {"KVCTL_POLICY__RESTORE_ORDER": "seed"} if mode == "kvctl-seed" else {}
+        with kvctl_stack(patched, gguf, (*base, "--no-auto-park"), env) as urls:
             yield urls
         return
     binary = unpatched if mode == "upstream" else patched
@@ -106,7 +108,7 @@ def start_mode(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bands", default="8192,16384")
-    ap.add_argument("--modes", default="upstream,safety-net,kvctl")
+    ap.add_argument("--modes", default="upstream,safety-net,kvctl,kvctl-seed")
     ap.add_argument("--workloads", default="equal-long,mixed,late-prompts,full-ctx")
     ap.add_argument("--quick", action="store_true", help="8192 only, two workloads")
     args = ap.parse_args(argv)

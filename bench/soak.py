@@ -101,8 +101,9 @@ async def soak(
         await asyncio.gather(sampler(), *[worker(i) for i in range(n_streams)])
     # at rest again: what is still open now has leaked
     await asyncio.sleep(1.0)
-    tally.samples.append((time.monotonic() - t0, proc.memory_info().rss / 2**20, proc.num_fds(),
-                          len(asyncio.all_tasks())))
+    tally.samples.append(
+        (time.monotonic() - t0, proc.memory_info().rss / 2**20, proc.num_fds(), len(asyncio.all_tasks()))
+    )
 
 
 async def run(args: argparse.Namespace) -> Tally:

@@ -31,6 +31,9 @@ def test_quickstart_demo_completes_every_chat(llama_server_bin: Path) -> None:
     assert "4/4 chats completed" in res.stdout
     parks = res.stdout.split("parks: ", 1)[1]
     assert not parks.startswith("0 by kvctl, 0 by"), "the burst must overflow the pool, or the demo shows nothing"
+    # it shut down cleanly: no server or kvctl left behind on its ports
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--port {env['SERVER_PORT']}" not in ps and f"127.0.0.1:{env['ADMIN_PORT']}" not in ps
 
 
 def test_quickstart_refuses_unknown_arguments() -> None:
