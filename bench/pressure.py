@@ -174,7 +174,41 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(out)
     save("pressure.md", out + "\n")
+    plot(rows, modes)
     return 0
+
+
+def plot(rows: list[tuple[object, ...]], modes: list[str]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install -e '.[bench]')")
+        return
+    cells = sorted({(r[0], r[1]) for r in rows}, key=lambda c: (c[0], str(c[1])))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        done, waits = [], []
+        for c in cells:
+            r = next((r for r in rows if (r[0], r[1]) == c and r[2] == mode), None)
+            a, b = str(r[3]).split("/") if r else ("0", "1")
+            done.append(int(a) / int(b))
+            waits.append(float(r[6]) if r else 0.0)  # type: ignore[arg-type]
+        xs = [i + k * width for i in range(len(cells))]
+        ax1.bar(xs, done, width, label=mode)
+        ax2.bar(xs, waits, width, label=mode)
+    ax1.set_ylabel("requests completed")
+    ax1.set_ylim(0, 1.05)
+    ax1.legend(ncol=len(modes), fontsize=8)
+    ax2.set_ylabel("longest parked wait (s)")
+    ax2.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+    ax2.set_xticklabels([f"{c[0]}\n{c[1]}" for c in cells], fontsize=8)
+    fig.tight_layout()
+    path = save("pressure.png", "")
+    fig.savefig(path)
 
 
 if __name__ == "__main__":
