@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import structlog
 from aiohttp import web
@@ -29,7 +29,7 @@ from controller.metrics import kvctl_version
 from controller.policy import PolicyConfig
 from controller.settings import Settings
 from controller.status import Status, build_status
-from controller.supervisor import Supervisor
+from controller.supervisor import Supervisor, SupervisorState
 from controller.upstream import SlotState
 
 __all__ = ["Readiness", "make_admin_app"]
@@ -104,6 +104,13 @@ def _saturated(loop: ControlLoop, config: PolicyConfig) -> bool:
     return waiting and decision.pressure.value > config.low
 
 
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    ready: bool
+    degraded: bool
+    problems: list[str]
+
+
 @dataclass(slots=True)
 class _Admin:
     settings: Settings
@@ -111,35 +118,62 @@ class _Admin:
     supervisor: Supervisor | None
     loop_alive: Callable[[], bool]
     readiness: Readiness
+    started: float = field(default_factory=time.monotonic)
+    _above_high_since: float | None = None
 
-    def evaluate(self) -> tuple[bool, list[str]]:
+    def _above_high_s(self, now: float) -> float | None:
+        """Track how long the pressure has stayed at or above HIGH, from the last decision."""
         state = self.loop.state
-        ready = self.readiness.update(state.upstream_up, _saturated(self.loop, self.loop.config), time.monotonic())
+        decision = state.decision
+        if not state.upstream_up or decision is None or decision.pressure.value < self.loop.config.high:
+            self._above_high_since = None
+            return None
+        if self._above_high_since is None:
+            self._above_high_since = now
+        return now - self._above_high_since
+
+    def evaluate(self) -> _Verdict:
+        state = self.loop.state
+        now = time.monotonic()
+        ready = self.readiness.update(state.upstream_up, _saturated(self.loop, self.loop.config), now)
+        above_high = self._above_high_s(now)
         problems = []
+        degraded = False
         if not state.upstream_up:
             problems.append(f"upstream down: {state.last_error or 'not polled yet'}")
+            degraded = True
         elif not ready:
             problems.append("saturated: parked requests wait and the pool is above LOW")
+        limit = self.settings.admin.degraded_after_s
+        if above_high is not None and above_high >= limit:
+            problems.append(f"pressure at or above HIGH for {above_high:.0f} s (admin.degraded_after_s: {limit:g} s)")
+            degraded = True
         if not self.loop_healthy():
             problems.append("control loop not running")
-        if self.supervisor is not None and self.supervisor.status.state != "ready":
+            degraded = True
+        if self.supervisor is not None and self.supervisor.status.state is not SupervisorState.READY:
             problems.append(f"supervised server {self.supervisor.status.state}")
-        return ready and self.loop_healthy(), problems
+            degraded = True
+        return _Verdict(ready and self.loop_healthy(), degraded, problems)
 
     def loop_healthy(self) -> bool:
         return self.loop_alive() and time.monotonic() - self.loop.state.heartbeat_monotonic < LOOP_STALL_S
 
     def status(self) -> Status:
-        ready, problems = self.evaluate()
+        verdict = self.evaluate()
+        now = time.monotonic()
         return build_status(
             version=kvctl_version(),
             url=str(self.settings.upstream.url),
             state=self.loop.state,
             config=self.loop.config,
             loop_alive=self.loop_healthy(),
-            ready=ready,
-            problems=problems,
+            ready=verdict.ready,
+            degraded=verdict.degraded,
+            problems=verdict.problems,
             supervisor=self.supervisor.status if self.supervisor is not None else None,
+            uptime_s=now - self.started,
+            above_high_s=now - self._above_high_since if self._above_high_since is not None else None,
         )
 
 
@@ -196,10 +230,10 @@ async def _healthz(request: web.Request) -> web.StreamResponse:
 
 
 async def _readyz(request: web.Request) -> web.StreamResponse:
-    ready, problems = request.app[_ADMIN].evaluate()
-    if ready:
+    verdict = request.app[_ADMIN].evaluate()
+    if verdict.ready:
         return web.json_response({"status": "ready"})
-    return web.json_response({"status": "not ready", "problems": problems}, status=503)
+    return web.json_response({"status": "not ready", "problems": verdict.problems}, status=503)
 
 
 async def _manual(request: web.Request) -> web.StreamResponse:

@@ -166,6 +166,12 @@ class AdminSettings(_Group):
     """Seconds the pool must stay relieved (at or below LOW, or nobody waiting) before `/readyz` turns 200 again;
     longer than `unready_after_s` so readiness does not flap."""
 
+    degraded_after_s: float = Field(default=30.0, ge=0)
+    """Seconds the projected occupancy must stay at or above HIGH before `/status` reports degraded and `kvctl
+    status` exits 1. Crossing HIGH is normal: the next poll parks and the pool is back under HIGH within a second or
+    two. Staying above it for 30 s means parks fail or are not allowed (budget, host RAM, one request alone), well
+    before the 5-minute pressure alert pages."""
+
 
 class RestoreOrder(StrEnum):
     """Which parked request is restored first."""

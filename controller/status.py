@@ -9,12 +9,26 @@ from pydantic import BaseModel, ConfigDict
 
 from controller.loop import LoopState
 from controller.policy import PolicyConfig, pressure
-from controller.supervisor import SupervisorStatus
+from controller.probes.gpu import GpuState
+from controller.supervisor import SupervisorState, SupervisorStatus
 from controller.upstream import SlotState
 
-__all__ = ["SCHEMA_VERSION", "Status", "build_status"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "GpuDeviceView",
+    "LoopView",
+    "PoolView",
+    "SlotView",
+    "Status",
+    "SupervisorView",
+    "UpstreamView",
+    "build_status",
+    "upstream_state",
+]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
+``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``."""
 
 
 class _Model(BaseModel):
@@ -23,6 +37,8 @@ class _Model(BaseModel):
 
 class UpstreamView(_Model):
     url: str
+    state: str
+    """``up``, ``down``, or with ``--spawn`` the supervised server's ``loading``, ``restarting``, ``stopped``."""
     up: bool
     last_error: str | None
     polls: int
@@ -61,8 +77,12 @@ class PoolView(_Model):
     """The largest pressure seen at a poll since kvctl started."""
     max_growth: float
     """The largest rise of the pressure within one poll interval."""
+    above_high_s: float | None
+    """Seconds the pressure has stayed at or above HIGH without a poll below it; None while below."""
     n_parked: int
     parked_bytes: int
+    parked_budget_bytes: int
+    """What parked snapshots may hold: the smaller of policy.snapshot_budget_mib and the server's --park-ram."""
 
 
 class SlotView(_Model):
@@ -71,6 +91,10 @@ class SlotView(_Model):
     state: str
     n_cells: int
     """Resident cells; for a parked request, the cells its resume needs."""
+    age_s: float | None
+    """Seconds since its request arrived; None for an idle slot."""
+    n_decoded: int
+    """Tokens generated so far for its request."""
     park_count: int
     parked_since_ms: int | None
     waited_s: float | None
@@ -88,20 +112,53 @@ class LoopView(_Model):
     action_failures: int
 
 
+class GpuDeviceView(_Model):
+    index: int
+    name: str | None
+    used_bytes: int | None
+    """None where the device does not report it (NVML NotSupported)."""
+    free_bytes: int | None
+    total_bytes: int | None
+
+
 class Status(_Model):
     schema_version: int = SCHEMA_VERSION
     version: str
+    uptime_s: float
+    """Seconds since kvctl's admin listener started."""
     ready: bool
     """Upstream up and the pool not saturated (with hysteresis): what ``/readyz`` answers."""
+    degraded: bool
+    """Upstream down, the supervised server loading or restarting, the control loop stalled, or the pressure at
+    or above HIGH for longer than admin.degraded_after_s: what ``kvctl status`` exits 1 for. Crossing HIGH is
+    normal operation, and so is a saturated (not ready) pool the policy is working through."""
     problems: list[str]
-    """Why it is not ready, in words; empty when ready."""
+    """What is wrong, in words: why it is not ready or degraded; empty when neither."""
     upstream: UpstreamView
     supervisor: SupervisorView | None
     pool: PoolView | None
     slots: list[SlotView]
     loop: LoopView
     host_available_bytes: int | None
+    host_total_bytes: int | None
     gpu: str
+    """``absent`` (no NVML, driver or device), ``ok`` or ``error``."""
+    gpu_devices: list[GpuDeviceView]
+
+
+_SUPERVISED_STATE = {
+    SupervisorState.STARTING: "loading",
+    SupervisorState.BACKOFF: "restarting",
+    SupervisorState.STOPPING: "stopped",
+    SupervisorState.STOPPED: "stopped",
+}
+
+
+def upstream_state(up: bool, supervisor: SupervisorStatus | None) -> str:
+    """One word for the server: ``up`` or ``down``; a supervised server not ready says why."""
+    if supervisor is not None and supervisor.state in _SUPERVISED_STATE:
+        return _SUPERVISED_STATE[supervisor.state]
+    return "up" if up else "down"
 
 
 def build_status(
@@ -112,8 +169,11 @@ def build_status(
     config: PolicyConfig,
     loop_alive: bool,
     ready: bool,
+    degraded: bool,
     problems: list[str],
     supervisor: SupervisorStatus | None,
+    uptime_s: float,
+    above_high_s: float | None = None,
     now_ms: int | None = None,
 ) -> Status:
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
@@ -134,8 +194,13 @@ def build_status(
             low=config.low,
             max_pressure=state.max_pressure,
             max_growth=state.max_growth,
+            above_high_s=above_high_s,
             n_parked=kv.n_parked,
             parked_bytes=kv.parked_bytes,
+            parked_budget_bytes=min(
+                config.budget_bytes,
+                kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else config.budget_bytes,
+            ),
         )
         for s in kv.slots:
             since = s.park.parked_since_ms if s.state is SlotState.PARKED else None
@@ -146,6 +211,10 @@ def build_status(
                     id_task=s.id_task,
                     state=str(s.state),
                     n_cells=s.cells,
+                    age_s=max(0, now_ms - s.t_arrival_ms) / 1000
+                    if s.t_arrival_ms is not None and s.id_task is not None
+                    else None,
+                    n_decoded=s.n_decoded,
                     park_count=s.park.count,
                     parked_since_ms=since,
                     waited_s=(now_ms - since) / 1000 if since is not None else None,
@@ -170,12 +239,16 @@ def build_status(
             else None,
         )
     snapshot = state.snapshot
+    gpu = state.gpu
     return Status(
         version=version,
+        uptime_s=uptime_s,
         ready=ready,
+        degraded=degraded,
         problems=problems,
         upstream=UpstreamView(
             url=url,
+            state=upstream_state(state.upstream_up, supervisor),
             up=state.upstream_up,
             last_error=state.last_error,
             polls=state.polls,
@@ -196,5 +269,12 @@ def build_status(
             action_failures=state.action_failures,
         ),
         host_available_bytes=state.host.available_bytes if state.host is not None else None,
-        gpu=str(state.gpu.state) if state.gpu is not None else "absent",
+        host_total_bytes=state.host.total_bytes if state.host is not None else None,
+        gpu=str(gpu.state) if gpu is not None else str(GpuState.ABSENT),
+        gpu_devices=[
+            GpuDeviceView(
+                index=d.index, name=d.name, used_bytes=d.used_bytes, free_bytes=d.free_bytes, total_bytes=d.total_bytes
+            )
+            for d in (gpu.devices if gpu is not None else ())
+        ],
     )
