@@ -113,6 +113,11 @@ class ProxyMetrics:
         self.heartbeats = Counter("kvctl_proxy_heartbeats", "Heartbeat comments sent", registry=r)
 
 
+def has_dot_segments(path: str) -> bool:
+    """``.`` or ``..`` as a segment of the (percent-decoded) path."""
+    return any(segment in (".", "..") for segment in path.split("/"))
+
+
 def error_body(message: str, code: str, etype: str = "server_error") -> dict[str, Any]:
     """The OpenAI envelope, marked as kvctl's own so an operator can tell it from the server's."""
     return {"error": {"message": f"kvctl: {message}", "type": etype, "param": None, "code": code}}
@@ -193,6 +198,13 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        if has_dot_segments(path):
+            # the upstream URL is normalized on the way out: /v1/../kv would reach the server as /kv, past the
+            # private-route check below
+            self.count("other", 400)
+            return error_response(
+                400, f"path with dot segments: {path!r}", "invalid_path", etype="invalid_request_error"
+            )
         if request.method == "POST" and path in GENERATION_ROUTES:
             return await self.generation(request)
         if request.method == "POST" and path in PASSTHROUGH_POST:
