@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
@@ -113,9 +113,27 @@ class ProxyMetrics:
         self.heartbeats = Counter("kvctl_proxy_heartbeats", "Heartbeat comments sent", registry=r)
 
 
+def is_utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def has_dot_segments(path: str) -> bool:
     """``.`` or ``..`` as a segment of the (percent-decoded) path."""
     return any(segment in (".", "..") for segment in path.split("/"))
+
+
+def refused_by_server(route: str, payload: dict[str, Any]) -> bool:
+    """A generation request the server refuses before it takes a slot: no prompt, no message list, or a stream
+    flag that is not a boolean. Conservative: anything else goes through admission."""
+    if "stream" in payload and not isinstance(payload["stream"], bool):
+        return True
+    if route == "/v1/chat/completions":
+        return not isinstance(payload.get("messages"), list)
+    return payload.get("prompt") is None
 
 
 def error_body(message: str, code: str, etype: str = "server_error") -> dict[str, Any]:
@@ -196,8 +214,42 @@ class Proxy:
 
     # --- handlers ------------------------------------------------------------------------
 
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` as aiohttp does it; anything else a 417 in the envelope (aiohttp's own answer is
+        plain text, and a 500 when the value is not UTF-8)."""
+        value = request.headers.get("Expect", "")
+        if request.version != HttpVersion11:
+            return None
+        if value.lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+            return None
+        self.count("other", 417)
+        return error_response(
+            417, f"unsupported Expect header {value!r}", "expectation_failed", etype="invalid_request_error"
+        )
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self.route(request)
+        except web.HTTPRequestEntityTooLarge:
+            self.count("other", 413)
+            return error_response(
+                413,
+                f"request body larger than {self.config.max_body_bytes} bytes",
+                "body_too_large",
+                etype="invalid_request_error",
+            )
+
+    async def route(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        bad = next((k for k, v in request.headers.items() if not is_utf8(v)), None)
+        if bad is not None:
+            # aiohttp hands such bytes over as surrogates, which no upstream request or response header can carry
+            self.count("other", 400)
+            return error_response(
+                400, f"header {bad!r} is not valid UTF-8", "invalid_header", etype="invalid_request_error"
+            )
         if has_dot_segments(path):
             # the upstream URL is normalized on the way out: /v1/../kv would reach the server as /kv, past the
             # private-route check below
@@ -229,12 +281,13 @@ class Proxy:
         body = await request.read()
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
             payload = None
-        if not isinstance(payload, dict):
-            # malformed: the server answers it, exactly as it would without kvctl
+        if not isinstance(payload, dict) or refused_by_server(request.path, payload):
+            # malformed: the server answers it at once, exactly as it would without kvctl; it takes no cells, so it
+            # must not wait in the admission queue for a slot it would never use
             return await self.forward(request, body, request_id, client_request_id, stream=False)
-        stream = bool(payload.get("stream", False))
+        stream = payload.get("stream", False) is True
         if self.gate.refuse_reason is not None:
             self.count(request.path, 503)
             return error_response(
@@ -456,7 +509,7 @@ def make_proxy_app(
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    app.router.add_route("*", "/{tail:.*}", proxy.handle, expect_handler=proxy.expect)
     return app
 
 
