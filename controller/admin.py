@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from controller.loop import ControlLoop, ManualAction, ManualError
@@ -41,8 +41,8 @@ LOOP_STALL_S = 30.0  # an iteration takes at most a few request timeouts plus th
 
 
 def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> web.Response:
-    etype = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
-        status, "conflict_error" if status == 409 else "server_error"
+    etype = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
+        status, "invalid_request_error" if 400 <= status < 500 else "server_error"
     )
     headers = dict(ORIGIN)
     if retry_after_s is not None:
@@ -191,14 +191,28 @@ def make_admin_app(
     token = settings.admin.token.get_secret_value() if settings.admin.token is not None else None
 
     @web.middleware
+    async def envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """aiohttp's own answers (no such route, wrong method, body too large) in the same envelope as ours."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}", "http_" + str(e.status))
+            if "Allow" in e.headers:
+                resp.headers["Allow"] = e.headers["Allow"]
+            return resp
+
+    @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is not None and request.path not in ("/healthz", "/readyz"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # surrogateescape: a header that is not UTF-8 must fail the comparison, not the handler
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
                 return error_response(401, "a bearer token is required", "unauthorized")
         return await handler(request)
 
-    app = web.Application(middlewares=[auth])
+    app = web.Application(middlewares=[envelope, auth])
     admin = _Admin(
         settings,
         loop,
@@ -209,13 +223,38 @@ def make_admin_app(
     app[_ADMIN] = admin
     loop.add_poll_listener(admin.evaluate)  # readiness' timers follow every poll, not only probe calls
     metrics_handler = make_aiohttp_handler(loop.metrics.registry)
-    app.router.add_get("/status", _status)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/healthz", _healthz)
-    app.router.add_get("/readyz", _readyz)
-    app.router.add_post("/slots/{id}/park", _manual)
-    app.router.add_post("/slots/{id}/resume", _manual)
+    app.router.add_get("/status", _status, expect_handler=_expect)
+    app.router.add_get("/metrics", metrics_handler, expect_handler=_expect)
+    app.router.add_get("/healthz", _healthz, expect_handler=_expect)
+    app.router.add_get("/readyz", _readyz, expect_handler=_expect)
+    app.router.add_post("/slots/{id}/park", _manual, expect_handler=_expect)
+    app.router.add_post("/slots/{id}/resume", _manual, expect_handler=_expect)
+    app.router.add_route("*", "/{tail:.*}", _no_route, expect_handler=_expect)  # last: what no route above takes
     return app
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue`` as aiohttp does it; anything else a 417 in the envelope (aiohttp's own answers in
+    plain text, and with a 500 when the value is not UTF-8). Runs before the middlewares, so on every route."""
+    value = request.headers.get("Expect", "")
+    if request.version != HttpVersion11:
+        return None
+    if value.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+        return None
+    return error_response(417, f"unsupported Expect header {value!r}", "expectation_failed")
+
+
+async def _no_route(request: web.Request) -> web.StreamResponse:
+    """A path no route takes: 405 when another route has it with another method, 404 otherwise."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
 
 
 async def _status(request: web.Request) -> web.StreamResponse:
@@ -239,7 +278,7 @@ async def _readyz(request: web.Request) -> web.StreamResponse:
 async def _manual(request: web.Request) -> web.StreamResponse:
     admin = request.app[_ADMIN]
     raw = request.match_info["id"]
-    if not raw.isdigit() or len(raw) > 9:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:  # str.isdigit() also takes '①' and '٣'
         return error_response(400, f"invalid slot id {raw!r}: expected a non-negative integer", "invalid_slot")
     action = ManualAction.PARK if request.path.endswith("/park") else ManualAction.RESUME
     try:
