@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -28,6 +29,7 @@ from controller.policy import (
     PolicyConfig,
     PolicyInput,
     Reason,
+    SkipReason,
     TaskHistory,
     admission,
     decide,
@@ -51,6 +53,13 @@ __all__ = ["ControlLoop", "LoopState", "ManualAction", "ManualError", "ManualRes
 log = structlog.get_logger("kvctl.loop")
 
 GPU_READ_INTERVAL_S = 1.0  # NVML reads block a thread; GPU memory does not move at the pool's pace
+
+# parks the policy wants but a resource limit forbids; the server's safety net (--park-ram) still parks
+_BLOCKING = {
+    SkipReason.HOST_RAM: "the host's available RAM is under policy.host_ram_reserve_mib plus the snapshot: kvctl "
+    "parks nothing until RAM is freed",
+    SkipReason.BUDGET: "parked snapshots fill policy.snapshot_budget_mib (or the server's --park-ram)",
+}
 
 
 class ManualAction(StrEnum):
@@ -142,6 +151,8 @@ class ControlLoop:
         self._lease_warned = False
         self._forget_pending = False
         self._poll_listeners: list[Callable[[], object]] = []
+        self._skip_labels: set[tuple[str, str]] = set()
+        self._blocked: set[SkipReason] = set()
 
     # --- public ----------------------------------------------------------------------------------
 
@@ -332,12 +343,42 @@ class ControlLoop:
         now = self._clock_ms()
         since = [s.park.parked_since_ms for s in kv.slots if s.state is SlotState.PARKED and s.park.parked_since_ms]
         m.longest_wait_seconds.set(max(0, now - min(since)) / 1000 if since else 0)
+        counts = Counter((str(s.kind), str(s.reason)) for s in decision.skipped)
+        for labels in self._skip_labels - counts.keys():
+            m.skipped.labels(*labels).set(0)
+        for labels, n in counts.items():
+            m.skipped.labels(*labels).set(n)
+        self._skip_labels |= counts.keys()
         if decision.skipped and (prev is None or prev.skipped != decision.skipped):
             log.info(
                 "decision.skipped",
                 pressure=round(p.value, 4),
                 skipped=[f"{s.kind}:{s.slot}/{s.id_task}:{s.reason}" for s in decision.skipped],
             )
+        self._report_blocked_parks(decision)
+
+    def _report_blocked_parks(self, decision: Decision) -> None:
+        """A park the policy wanted but a resource limit forbids: a warning once, until a park goes through again
+        (pressure crossing HIGH back and forth must not repeat it)."""
+        blocked = {s.reason for s in decision.skipped if s.kind is ActionKind.PARK} & _BLOCKING.keys()
+        for reason in sorted(blocked - self._blocked):
+            host = self.state.host
+            log.warning(
+                "park.blocked",
+                reason=str(reason),
+                pressure=round(decision.pressure.value, 4),
+                host_available_bytes=host.available_bytes if host is not None else None,
+                host_ram_reserve_bytes=self.config.host_reserve_bytes,
+                budget_bytes=self.config.budget_bytes,
+                parked_bytes=self.state.snapshot.parked_bytes if self.state.snapshot is not None else None,
+                hint=_BLOCKING[reason],
+            )
+        if decision.parks:
+            for reason in sorted(self._blocked - blocked):
+                log.info("park.unblocked", reason=str(reason))
+            self._blocked = blocked
+        else:
+            self._blocked |= blocked
 
     async def _act(self, decision: Decision) -> None:
         for action in decision.actions:

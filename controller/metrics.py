@@ -60,6 +60,13 @@ class Metrics:
         self.ends = Counter(
             "kvctl_ends_total", "Parked requests given up because they cannot fit the pool alone", registry=r
         )
+        self.skipped = Gauge(
+            "kvctl_skipped_candidates",
+            "Park or resume candidates the latest decision passed over, by action and reason "
+            "(host_ram: the host's available RAM less policy.host_ram_reserve_mib cannot hold the snapshot)",
+            ["action", "reason"],
+            registry=r,
+        )
         self.action_failures = Counter(
             "kvctl_action_failures_total",
             "Park or resume requests the server refused or failed, by action and HTTP status",
