@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         ("errors", len(tally.errors)),
         ("lost or duplicated", tally.lost_or_duplicated),
         ("diverged from solo (numerics)", tally.diverged),
-        ("client RSS MiB first/last", f"{rss[0]:.1f} / {rss[-1]:.1f}" if rss else "-"),
-        ("open fds first/last", f"{fds[0]} / {fds[-1]}" if fds else "-"),
-        ("asyncio tasks first/last", f"{tasks[0]} / {tasks[-1]}" if tasks else "-"),
+        ("client RSS MiB start/end", f"{rss[0]:.1f} / {rss[-1]:.1f}" if rss else "-"),
+        ("open fds start/end (at rest)", f"{fds[0]} / {fds[-1]}" if fds else "-"),
+        ("asyncio tasks start/end (at rest)", f"{tasks[0]} / {tasks[-1]}" if tasks else "-"),
     ]
     out = table(["measure", "value"], rows)
     print(out)
