@@ -21,9 +21,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import structlog
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from controller.httputil import unsupported_expect
 from controller.loop import ControlLoop, ManualAction, ManualError
 from controller.metrics import kvctl_version
 from controller.policy import PolicyConfig
@@ -234,14 +235,8 @@ def make_admin_app(
 
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:
-    """``Expect: 100-continue`` as aiohttp does it; anything else a 417 in the envelope (aiohttp's own answers in
-    plain text, and with a 500 when the value is not UTF-8). Runs before the middlewares, so on every route."""
-    value = request.headers.get("Expect", "")
-    if request.version != HttpVersion11:
-        return None
-    if value.lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0
+    value = await unsupported_expect(request)
+    if value is None:
         return None
     return error_response(417, f"unsupported Expect header {value!r}", "expectation_failed")
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import aiohttp
 import structlog
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from controller.httputil import unsupported_expect
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 
@@ -215,14 +216,8 @@ class Proxy:
     # --- handlers ------------------------------------------------------------------------
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
-        """``Expect: 100-continue`` as aiohttp does it; anything else a 417 in the envelope (aiohttp's own answer is
-        plain text, and a 500 when the value is not UTF-8)."""
-        value = request.headers.get("Expect", "")
-        if request.version != HttpVersion11:
-            return None
-        if value.lower() == "100-continue":
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0
+        value = await unsupported_expect(request)
+        if value is None:
             return None
         self.count("other", 417)
         return error_response(

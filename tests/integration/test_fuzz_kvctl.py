@@ -166,7 +166,8 @@ def test_admin_slot_routes_with_garbage(stack: Stack, method: str, slot: str, ac
             assert ans.status == (409 if int(slot) < N_SLOTS else 404), err
         else:
             assert ans.status in (400, 404), err
-    elif action in ("park", "resume") and "/" not in slot and slot not in (".", ".."):
+    elif action in ("park", "resume") and not set(slot) & set("/{}") and slot not in (".", ".."):
+        # (aiohttp's {id} placeholder never matches braces: such a path is no route at all, a 404)
         assert ans.status == 405 and ans.header("Allow") == "POST", err
     else:
         assert ans.status in (404, 405), err
