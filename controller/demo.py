@@ -20,8 +20,13 @@ import openai
 async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, int, str]:
     try:
         stream = await client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": f"Tell story number {i}."}], max_tokens=tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model="demo",
+            messages=[{"role": "user", "content": f"Tell story number {i}."}],
+            max_tokens=tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         n = 0
         async for chunk in stream:
@@ -35,8 +40,11 @@ async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, i
 async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float:
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(prefix) and not line.startswith("#"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix) and not line.startswith("#")
+    )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -54,14 +62,17 @@ async def run(args: argparse.Namespace) -> int:
     done = sum(ok for ok, _, _ in results)
     for i, (ok, n, err) in enumerate(results):
         print(f"  chat {i}: {'completed' if ok else 'FAILED'}, {n} tokens{(' - ' + err) if err else ''}")
-    print(f"demo: {done}/{len(results)} chats completed in {wall:.1f} s; parks: {int(kvctl_parks)} by kvctl, "
-          f"{int(auto_parks)} by the server's safety net")
+    print(
+        f"demo: {done}/{len(results)} chats completed in {wall:.1f} s; parks: {int(kvctl_parks)} by kvctl, "
+        f"{int(auto_parks)} by the server's safety net"
+    )
     return 0 if done == len(results) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m controller.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m controller.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--proxy", default="http://127.0.0.1:8080")
     ap.add_argument("--admin", default="http://127.0.0.1:8091")
     ap.add_argument("--server", default="http://127.0.0.1:8081")
