@@ -35,6 +35,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def server_argv(binary: Path, model: Path, port: int, *args: str) -> list[str]:
+    """The command line of a test server on loopback: greedy, seeded, one thread.
+
+    -t 1: ggml's spinning thread pool collapses when it shares 2 cores with anything else.
+    """
+    return [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        "1",
+        "-tb",
+        "1",
+        "--temp",
+        "0",
+        "--seed",
+        "42",
+        "--no-warmup",
+        *args,
+    ]
+
+
 class ServerProcess:
     """One llama-server child process on a loopback port."""
 
@@ -51,26 +77,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
-        # -t 1: ggml's spinning thread pool collapses when it shares 2 cores with anything else
-        cmd = [
-            str(self.binary),
-            "-m",
-            str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "-t",
-            "1",
-            "-tb",
-            "1",
-            "--temp",
-            "0",
-            "--seed",
-            "42",
-            "--no-warmup",
-            *self.args,
-        ]
+        cmd = server_argv(self.binary, self.model, self.port, *self.args)
         log = self.log_path.open("ab")
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()

@@ -21,7 +21,14 @@ from controller.settings import load_settings
 from controller.supervisor import Supervisor, SupervisorState
 from controller.upstream import UpstreamClient
 from tests.integration.conftest import ServerFactory
-from tests.integration.llama import NO_BYTE_TOKENS, StreamResult, free_port, parse_metrics, stream_completion
+from tests.integration.llama import (
+    NO_BYTE_TOKENS,
+    StreamResult,
+    free_port,
+    parse_metrics,
+    server_argv,
+    stream_completion,
+)
 
 
 def request(prompt: str, n_predict: int) -> dict[str, Any]:
@@ -90,27 +97,8 @@ def spawn_settings(argv: list[str], port: int, tmp_path: Path, **sup: Any) -> An
     )
 
 
-def server_argv(binary: Path, model: Path, port: int) -> list[str]:
-    return [
-        str(binary),
-        "-m",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-t",
-        "1",
-        "-tb",
-        "1",
-        "--no-warmup",
-        "-c",
-        "2048",
-        "-np",
-        "2",
-        "-kvu",
-        "--slots",
-    ]
+def spawned_server_argv(binary: Path, model: Path, port: int) -> list[str]:
+    return server_argv(binary, model, port, "-c", "2048", "-np", "2", "-kvu", "--slots")
 
 
 async def wait_for(cond: Any, timeout_s: float, what: str) -> None:
@@ -143,7 +131,7 @@ async def test_a_killed_server_is_restarted_and_the_status_shows_it(
     tmp_path: Path, llama_server_bin: Path, tiny_model: Path
 ) -> None:
     port = free_port()
-    settings = spawn_settings(server_argv(llama_server_bin, tiny_model, port), port, tmp_path)
+    settings = spawn_settings(spawned_server_argv(llama_server_bin, tiny_model, port), port, tmp_path)
     restarts: list[str] = []
     sup = Supervisor(settings, Metrics(CollectorRegistry()), on_start=lambda: restarts.append("start"))
     task = asyncio.create_task(sup.run(), name="supervisor")
@@ -192,7 +180,7 @@ async def test_kvctl_run_spawns_reports_and_stops_the_server(
         admin,
         "--spawn",
         "--",
-        *server_argv(llama_server_bin, tiny_model, port),
+        *spawned_server_argv(llama_server_bin, tiny_model, port),
         stdout=log,
         stderr=asyncio.subprocess.STDOUT,
     )

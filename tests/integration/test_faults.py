@@ -46,7 +46,7 @@ from tests.integration.faults import (
     samples,
     wait_until,
 )
-from tests.integration.llama import StreamResult, free_port, get_json, parse_metrics, stream_completion
+from tests.integration.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
 
 
 async def server_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -237,30 +237,8 @@ async def test_an_exception_in_the_control_loop_restarts_it_and_streams_continue
 # --- the server killed mid-stream (spawn mode) -----------------------------------------------------
 
 
-def server_argv(binary: Path, model: Path, port: int) -> list[str]:
-    return [
-        str(binary),
-        "-m",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-t",
-        "1",
-        "-tb",
-        "1",
-        "--temp",
-        "0",
-        "--no-warmup",
-        "-c",
-        "8192",
-        "-np",
-        "4",
-        "-kvu",
-        "--slots",
-        "--metrics",
-    ]
+def spawned_server_argv(binary: Path, model: Path, port: int) -> list[str]:
+    return server_argv(binary, model, port, "-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics")
 
 
 def chat(n: int, stream: bool) -> dict[str, Any]:
@@ -308,7 +286,7 @@ async def test_the_server_killed_mid_stream_is_restarted_and_every_client_gets_a
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
     supervisor = {
-        "spawn": server_argv(llama_server_bin, tiny_model, port),
+        "spawn": spawned_server_argv(llama_server_bin, tiny_model, port),
         "restart_backoff_initial_s": 0.5,
         "restart_backoff_max_s": 4.0,
         "health_interval_s": 0.1,
