@@ -45,9 +45,9 @@ def model(kind: str, binary: Path) -> Path:
 
 
 @contextlib.contextmanager
-def server(binary: Path, gguf: Path, *args: str) -> Iterator[ServerProcess]:
+def server(binary: Path, gguf: Path, *args: str, cpus: set[int] | None = None) -> Iterator[ServerProcess]:
     log = Path(tempfile.mkstemp(prefix="kvctl-bench-", suffix=".log")[1])
-    srv = ServerProcess(binary, gguf, args, log)
+    srv = ServerProcess(binary, gguf, args, log, cpus=cpus)
     try:
         yield srv.start()
     finally:
@@ -69,8 +69,31 @@ def mean_ci(values: Sequence[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     if n < 2:
         return m, math.nan
-    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}.get(n, 2.2)
-    return m, t * statistics.stdev(values) / math.sqrt(n)
+    return m, t95(n - 1) * statistics.stdev(values) / math.sqrt(n)
+
+
+# two-sided 95 % quantiles of Student's t by degrees of freedom
+_T95 = [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131]
+_T95 += [2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(df: int) -> float:
+    if df <= len(_T95):
+        return _T95[df - 1]
+    return 2.021 if df <= 40 else 2.000 if df <= 60 else 1.980 if df <= 120 else 1.960
+
+
+def placement(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """CPUs for the server(s) and for everything else (clients, kvctl); (None, None) when not pinned.
+
+    On 2 cores, the server's compute thread gets a core to itself, so a client or a proxy busy
+    on the other core does not steal its time slices (which would measure the machine, not kvctl).
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    half = max(1, len(cpus) // 2)
+    return set(cpus[:half]), set(cpus[half:])
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -18,7 +18,9 @@ from tests.integration.llama import free_port
 
 
 @contextlib.contextmanager
-def start_stack(upstream: str, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
+def start_stack(
+    upstream: str, *extra: str, env: dict[str, str] | None = None, cpus: set[int] | None = None
+) -> Iterator[str]:
     """Yields the proxy's URL; kvctl's admin listener is at `stack_admin(url)`."""
     pport, aport = free_port(), free_port()
     log = Path(tempfile.mkstemp(prefix="kvctl-bench-", suffix=".log")[1])
@@ -37,7 +39,14 @@ def start_stack(upstream: str, *extra: str, env: dict[str, str] | None = None) -
     ]
     env = {**os.environ, "KVCTL_LOG__FORMAT": "json", **(env or {})}
     with log.open("ab") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
     _ADMIN[f"http://127.0.0.1:{pport}"] = (f"http://127.0.0.1:{aport}", proc.pid)
     try:
         deadline = time.monotonic() + 30

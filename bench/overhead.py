@@ -1,37 +1,50 @@
 """Cost when parking never fires: paired A/B throughput with confidence intervals.
 
-    python bench/overhead.py [--pairs 10] [--n-predict 200] [--model bench]
+    python -m bench.overhead [--pairs 30] [--n-predict 256] [--model bench] [--no-pin]
 
 (a) the patched server against the unpatched one, both direct (the seed's comparison);
 (b) the whole stack (patched server behind kvctl's proxy, the controller polling) against the
     unpatched server direct;
 plus the proxy's added latency per streamed chunk and to the first token (same patched server,
 direct and through the proxy), and the controller's CPU share while it polls.
-Runs alternate A and B in pairs, so drift on a shared machine hits both; the table reports the
-mean ratio B/A with its 95 % confidence interval.
+Runs alternate A and B in pairs (ABBA), so drift on a shared machine hits both; the table reports
+the mean ratio B/A of client throughput and of the server's CPU seconds per generated token, each
+with its 95 % confidence interval. The servers are pinned to their own core(s) and the client and
+kvctl to the others (``--no-pin`` to share), as a sidecar with its own CPU request would run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import math
+import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import psutil
 
-from bench.common import build, mean_ci, model, save, server, table
+from bench.common import build, mean_ci, model, placement, save, server, table
 from bench.kvctl_stack import stack_pid, start_stack
 from bench.streams import Timed, timed_stream
-from tests.integration.llama import NO_BYTE_TOKENS
+from tests.integration.llama import NO_BYTE_TOKENS, ServerProcess
 
 
-async def run(url: str, n_streams: int, n_predict: int) -> tuple[float, list[Timed]]:
-    """Aggregate generated tokens per second of n_streams concurrent requests."""
+@dataclass
+class Run:
+    tok_s: float  # aggregate generated tokens per second, at the client
+    cpu_per_tok: float  # server process CPU seconds (all threads) per generated token
+    res: list[Timed]
+
+
+async def run(url: str, n_streams: int, n_predict: int, server_pid: int | None = None) -> Run:
+    """n_streams concurrent requests; throughput at the client and the server's CPU per token."""
+    proc = psutil.Process(server_pid) if server_pid else None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as s:
+        c0 = sum(proc.cpu_times()[:2]) if proc else 0.0
         t0 = time.monotonic()
         res = await asyncio.gather(
             *[
@@ -50,24 +63,39 @@ async def run(url: str, n_streams: int, n_predict: int) -> tuple[float, list[Tim
             ]
         )
         wall = time.monotonic() - t0
+        cpu = sum(proc.cpu_times()[:2]) - c0 if proc else math.nan
     assert all(r.ok for r in res), [r.error for r in res]
-    return sum(r.n_tokens for r in res) / wall, list(res)
+    n = sum(r.n_tokens for r in res)
+    return Run(n / wall, cpu / n, list(res))
 
 
-def paired(a_url: str, b_url: str, pairs: int, n_streams: int, n_predict: int) -> tuple[float, float, float, float]:
-    asyncio.run(run(a_url, n_streams, 16))  # warm both
-    asyncio.run(run(b_url, n_streams, 16))
-    ratios, a_tps, b_tps = [], [], []
+@dataclass
+class Paired:
+    a_tps: float
+    b_tps: float
+    ratio: tuple[float, float]  # B/A throughput: mean, 95 % CI half-width
+    cpu_ratio: tuple[float, float]  # B/A server CPU per token: mean, 95 % CI half-width
+
+
+def paired(a: tuple[str, int], b: tuple[str, int], pairs: int, n_streams: int, n_predict: int) -> Paired:
+    """Alternate A and B (ABBA...), so slow drift on a shared machine hits both sides alike."""
+    for url, pid in (a, b):  # warm both
+        asyncio.run(run(url, n_streams, 16, pid))
+    runs_a, runs_b, ratios, cpu_ratios = [], [], [], []
     for i in range(pairs):
-        first, second = (a_url, b_url) if i % 2 == 0 else (b_url, a_url)
-        t1, _ = asyncio.run(run(first, n_streams, n_predict))
-        t2, _ = asyncio.run(run(second, n_streams, n_predict))
-        a, b = (t1, t2) if first == a_url else (t2, t1)
-        a_tps.append(a)
-        b_tps.append(b)
-        ratios.append(b / a)
-    m, ci = mean_ci(ratios)
-    return statistics.fmean(a_tps), statistics.fmean(b_tps), m, ci
+        order = (a, b) if i % 2 == 0 else (b, a)
+        got = {side: asyncio.run(run(side[0], n_streams, n_predict, side[1])) for side in order}
+        ra, rb = got[a], got[b]
+        runs_a.append(ra)
+        runs_b.append(rb)
+        ratios.append(rb.tok_s / ra.tok_s)
+        cpu_ratios.append(rb.cpu_per_tok / ra.cpu_per_tok)
+    return Paired(
+        statistics.fmean(r.tok_s for r in runs_a),
+        statistics.fmean(r.tok_s for r in runs_b),
+        mean_ci(ratios),
+        mean_ci(cpu_ratios),
+    )
 
 
 def chunk_gaps(res: list[Timed]) -> float:
@@ -76,42 +104,84 @@ def chunk_gaps(res: list[Timed]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=10)
-    ap.add_argument("--n-predict", type=int, default=200)
-    ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--n-predict", type=int, default=256)
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny", "gpu"])
+    ap.add_argument("--server-args", default="", help="extra llama-server flags for both servers, e.g. '-ngl 99'")
+    ap.add_argument("--no-pin", action="store_true", help="let servers, client and kvctl share every CPU")
     args = ap.parse_args(argv)
     patched, unpatched = build(), build(patched=False)
     gguf = model(args.model, patched)
-    base = ("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics")
+    srv_cpus, other_cpus = placement(not args.no_pin)
+    if other_cpus:
+        os.sched_setaffinity(0, other_cpus)
+    base = ("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", *args.server_args.split())
     rows = []
-    with server(unpatched, gguf, *base) as up, server(patched, gguf, *base) as pt:
+
+    def pid(s: ServerProcess) -> int:
+        assert s.proc is not None
+        return s.proc.pid
+
+    def add(name: str, n: int, p: Paired) -> None:
+        rows.append((name, n, p.a_tps, p.b_tps, p.ratio[0], p.ratio[1], p.cpu_ratio[0], p.cpu_ratio[1]))
+        print(rows[-1], flush=True)
+
+    with (
+        server(unpatched, gguf, *base, cpus=srv_cpus) as up,
+        server(patched, gguf, *base, cpus=srv_cpus) as pt,
+    ):
+        a, b = (up.url, pid(up)), (pt.url, pid(pt))
         for n in (1, 4):
-            a, b, m, ci = paired(up.url, pt.url, args.pairs, n, args.n_predict)
-            rows.append(("(a) patched vs unpatched, direct", n, a, b, m, ci))
-        with start_stack(pt.url) as proxy:
+            add("(a) patched vs unpatched, direct", n, paired(a, b, args.pairs, n, args.n_predict))
+        with start_stack(pt.url, cpus=other_cpus) as proxy:
             kv = psutil.Process(stack_pid(proxy))
             cpu0, t0 = kv.cpu_times(), time.monotonic()
             for n in (1, 4):
-                a, b, m, ci = paired(up.url, proxy, args.pairs, n, args.n_predict)
-                rows.append(("(b) kvctl stack vs unpatched, direct", n, a, b, m, ci))
+                add(
+                    "(b) kvctl stack vs unpatched, direct",
+                    n,
+                    paired(a, (proxy, pid(pt)), args.pairs, n, args.n_predict),
+                )
             cpu1, t1 = kv.cpu_times(), time.monotonic()
             cpu_share = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
             # the proxy's own cost: the same patched server, direct and through the proxy
             gaps_d, gaps_p, ttft_d, ttft_p = [], [], [], []
             for _ in range(args.pairs):
-                _, rd = asyncio.run(run(pt.url, 1, args.n_predict))
-                _, rp = asyncio.run(run(proxy, 1, args.n_predict))
+                rd = asyncio.run(run(pt.url, 1, args.n_predict)).res
+                rp = asyncio.run(run(proxy, 1, args.n_predict)).res
                 gaps_d.append(chunk_gaps(rd))
                 gaps_p.append(chunk_gaps(rp))
                 ttft_d.append(rd[0].ttft)
                 ttft_p.append(rp[0].ttft)
             # idle polling: the controller alone, nothing generating
-            with contextlib.suppress(Exception):
-                c0, w0 = kv.cpu_times(), time.monotonic()
-                time.sleep(5)
-                c1, w1 = kv.cpu_times(), time.monotonic()
-                idle_share = ((c1.user + c1.system) - (c0.user + c0.system)) / (w1 - w0)
-    out = table(["comparison", "streams", "A tok/s", "B tok/s", "B/A mean", "95 % CI ±"], rows)
+            c0, w0 = kv.cpu_times(), time.monotonic()
+            time.sleep(5)
+            c1, w1 = kv.cpu_times(), time.monotonic()
+            idle_share = ((c1.user + c1.system) - (c0.user + c0.system)) / (w1 - w0)
+        if srv_cpus:
+            # what pinning buys: the same stack, with kvctl and the client on the server's core
+            os.sched_setaffinity(0, srv_cpus)
+            with start_stack(pt.url, cpus=srv_cpus) as proxy:
+                add(
+                    "(b) the same, kvctl and client on the server's core",
+                    4,
+                    paired(a, (proxy, pid(pt)), args.pairs, 4, args.n_predict),
+                )
+            assert other_cpus
+            os.sched_setaffinity(0, other_cpus)
+    out = table(
+        [
+            "comparison",
+            "streams",
+            "A tok/s",
+            "B tok/s",
+            "B/A tok/s",
+            "95 % CI ±",
+            "B/A server CPU per token",
+            "95 % CI ±",
+        ],
+        rows,
+    )
     extra = table(
         ["measure", "direct", "via proxy", "added"],
         [
@@ -133,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         ["kvctl process", "CPU share of one core"],
         [("while streaming", cpu_share), ("idle, polling every 50 ms", idle_share)],
     )
-    head = f"model: {args.model}, {args.pairs} alternating pairs, {args.n_predict} tokens per request"
+    where = (
+        f"servers on CPUs {sorted(srv_cpus)}, client and kvctl on {sorted(other_cpus or [])}"
+        if srv_cpus
+        else "unpinned"
+    )
+    head = f"model: {args.model}, {args.pairs} alternating pairs, {args.n_predict} tokens per request, {where}"
     text = f"{head}\n\n{out}\n\n{extra}\n\n{cpu}\n"
     print(text)
     save("overhead.md", text)

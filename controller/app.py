@@ -109,7 +109,9 @@ class App:
             self.gate.update(None)
             return
         self.gate.refuse_reason = None
-        self.gate.update(None if verdict.admit else verdict.reason)
+        self.gate.update(
+            None if verdict.admit else verdict.reason, verdict.allowance, self.loop.state.snapshot_asked_monotonic
+        )
 
     async def _start_proxy(self) -> None:
         """The client-facing reverse proxy: relays to the upstream, asks the gate before admitting."""
@@ -130,6 +132,7 @@ class App:
             retry_after_s=p.retry_after_s,
         )
         self.loop.add_poll_listener(self._update_gate)
+        self.gate.on_wait = self.loop.poll_soon
         host, port = split_host_port(p.listen)
         self._proxy_cleanup = await run_site(make_proxy_app(config, self.gate, self.metrics.registry), host, port)
         log.info("proxy.started", listen=p.listen)

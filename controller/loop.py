@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import structlog
@@ -102,6 +102,8 @@ class LoopState:
     last_error: str | None = None
     polls: int = 0
     last_poll_monotonic: float | None = None
+    snapshot_asked_monotonic: float | None = None
+    """When the current snapshot was asked for: what the proxy admitted after it is not in it."""
     heartbeat_monotonic: float = field(default_factory=time.monotonic)
     snapshot: KvSnapshot | None = None
     decision: Decision | None = None
@@ -173,6 +175,10 @@ class ControlLoop:
         """Called after every poll, answered or not (readiness keeps its timers with it)."""
         self._poll_listeners.append(listener)
 
+    def poll_soon(self) -> None:
+        """Poll now instead of at the next tick (a request is waiting for admission)."""
+        self._wake.set()
+
     def forget(self, why: str) -> None:
         """Drop what the loop knows about the server's tasks (it restarted); done before the next poll."""
         self._forget_pending = True
@@ -186,8 +192,11 @@ class ControlLoop:
         if kv.n_slots_idle == 0:
             # parked requests keep their slots: a request the server has no slot for would wait inside the
             # server, invisible to the queue
-            return Admission(False, "no idle slot")
-        return admission(self._input(kv), self.config, n_prompt_cells)
+            return Admission(False, "no idle slot", 0)
+        verdict = admission(self._input(kv), self.config, n_prompt_cells)
+        if verdict.allowance is None or verdict.allowance > kv.n_slots_idle:
+            return replace(verdict, allowance=kv.n_slots_idle)
+        return verdict
 
     def reset_maxima(self) -> None:
         self.state.max_pressure = 0.0
@@ -244,12 +253,14 @@ class ControlLoop:
         if self._forget_pending:
             self.state.history.clear()
             self._forget_pending = False
+        asked = time.monotonic()
         try:
             kv = await self.client.get_kv()
         except UpstreamError as e:
             self._down(e)
             return False
         self._up(kv)
+        self.state.snapshot_asked_monotonic = asked
         await self.read_gpu()
         inp = self._input(kv)
         t0 = time.perf_counter()

@@ -201,6 +201,8 @@ class Decision:
 class Admission:
     admit: bool
     reason: str
+    allowance: int | None = None
+    """How many new requests (of the reserved size each) may start before the next snapshot; None: no limit."""
 
 
 # --- accounting --------------------------------------------------------------------------------
@@ -471,19 +473,36 @@ def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
 
 
 def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admission:
-    """Whether a new request may start now (asked by the proxy): parked requests are restored first."""
+    """Whether new requests may start now (asked by the proxy), and how many: parked requests are restored first.
+
+    The allowance is the number of new requests of ``n_prompt_cells`` each (and one cell of the next step
+    each) that keep the projection below HIGH; at least one when nothing is resident, so a request larger
+    than the reserve still starts on an empty pool.
+    """
     kv = inp.kv
     waiting = [
         s for s in kv.slots if s.state is SlotState.PARKED and not inp.history.get(_task(s), TaskHistory()).pinned
     ]
     if waiting:
-        return Admission(False, "parked requests are restored first")
+        return Admission(False, "parked requests are restored first", 0)
     if kv.n_cells <= 0:
         return Admission(True, "pool size unknown")
     pool = _pool(kv)
     resident = any(s.is_resident for s in kv.slots)
     if inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes and resident:
-        return Admission(False, "GPU memory under the floor")
-    if resident and pool.ratio(n_prompt_cells, 1) >= cfg.high:
-        return Admission(False, "the pool would reach HIGH")
-    return Admission(True, "room")
+        return Admission(False, "GPU memory under the floor", 0)
+    per = max(1, n_prompt_cells) + 1
+    room = cfg.high * pool.n_target - pool.ratio() * pool.n_target  # cells left below HIGH, target pool
+    if pool.n_draft:
+        room = min(room, cfg.high * pool.n_draft - pool.ratio() * pool.n_draft)
+    allowance = max(0, math.ceil(room / per) - 1)  # strictly below HIGH
+    for _ in range(2):  # float rounding at the edge
+        if allowance > 0 and pool.ratio(allowance * per - allowance, allowance) >= cfg.high:
+            allowance -= 1
+        elif pool.ratio((allowance + 1) * (per - 1), allowance + 1) < cfg.high:
+            allowance += 1
+    if not resident:
+        allowance = max(1, allowance)
+    if allowance == 0:
+        return Admission(False, "the pool would reach HIGH", 0)
+    return Admission(True, "room", allowance)

@@ -87,6 +87,8 @@ class LlamaSpec:
 SIZES: dict[str, LlamaSpec] = {
     "tiny": LlamaSpec(),
     "bench": LlamaSpec(n_embd=512, n_layer=2, n_head=8, n_head_kv=8, n_ff=1024),
+    # ~0.85 B parameters (3.4 GB of F32): for the GPU benchmarks (bench/gpu.sh), never on the CPU runners
+    "gpu": LlamaSpec(n_embd=2048, n_layer=16, n_head=16, n_head_kv=4, n_ff=5632),
 }
 
 

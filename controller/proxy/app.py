@@ -328,7 +328,7 @@ class Proxy:
     async def wait_for_admission(self, request: web.Request, stream: bool) -> web.StreamResponse | None:
         """Queue while the gate holds; a streaming client waiting past the grace period gets
         SSE headers and heartbeats, so neither it nor a reverse proxy in between times out."""
-        if self.gate.hold_reason is None and self.queue.queued == 0:
+        if self.queue.queued == 0 and self.gate.take():
             return None
         self.metrics.queued.inc()
         admit = asyncio.ensure_future(self.queue.admit())

@@ -64,8 +64,11 @@ def server_argv(binary: Path, model: Path, port: int, *args: str) -> list[str]:
 class ServerProcess:
     """One llama-server child process on a loopback port."""
 
-    def __init__(self, binary: Path, model: Path, args: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self, binary: Path, model: Path, args: Sequence[str], log_path: Path, cpus: set[int] | None = None
+    ) -> None:
         self.binary = binary
+        self.cpus = cpus  # pin every thread of the server to these CPUs (benchmarks)
         self.model = model
         self.args = list(args)
         self.log_path = log_path
@@ -81,7 +84,14 @@ class ServerProcess:
         log = self.log_path.open("ab")
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cpus = self.cpus
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -332,6 +332,34 @@ def test_admission_waits_for_parked_requests_and_room() -> None:
     assert admission(PolicyInput(kv(1000, [S("idle", 900)]), NOW), cfg, 900).admit
 
 
+def test_admission_allowance_is_how_many_reserved_requests_fit_below_high() -> None:
+    empty = kv(1000, [S("idle", 900)])  # an idle slot's cells are a cache: they do not count
+    a = admission(PolicyInput(empty, NOW), CFG, 100)
+    assert a.allowance == 9  # 9 x (100 + 1) = 909 < 940; 10 would reach HIGH
+    busy = kv(1000, [S("generating", 800, t_arrival_ms=1)])  # 800 + 1 of its next step
+    assert admission(PolicyInput(busy, NOW), CFG, 60).allowance == 2  # 801 + 2 x 61 = 923 < 940
+    assert admission(PolicyInput(busy, NOW), CFG, 200).allowance == 0
+    # a request larger than the reserve still starts on an empty pool
+    assert admission(PolicyInput(kv(1000, []), NOW), CFG, 5000).allowance == 1
+    parked = kv(1000, [S("parked", 100, parked_since_ms=NOW)])
+    assert admission(PolicyInput(parked, NOW), CFG, 10).allowance == 0
+
+
+@given(st.integers(1, 4096), st.integers(0, 4096), st.integers(1, 2000))
+def test_admission_allowance_is_exact(n_cells: int, used: int, reserve: int) -> None:
+    used = min(used, n_cells)
+    snap = kv(n_cells, [S("generating", used, t_arrival_ms=1)] if used else [])
+    a = admission(PolicyInput(snap, NOW), CFG, reserve)
+    k = a.allowance
+    assert k is not None and a.admit == (k > 0)
+    pool = (used + (1 if used else 0)) / n_cells
+    if used:
+        assert k == 0 or pool + k * (reserve + 1) / n_cells < CFG.high
+        assert pool + (k + 1) * (reserve + 1) / n_cells >= CFG.high
+    else:
+        assert k >= 1
+
+
 # --- properties ------------------------------------------------------------------------------------
 
 POOL = st.integers(min_value=64, max_value=4096)
