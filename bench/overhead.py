@@ -1,6 +1,6 @@
 """Cost when parking never fires: paired A/B throughput with confidence intervals.
 
-    python -m bench.overhead [--pairs 30] [--n-predict 256] [--model bench] [--no-pin]
+    python -m bench.overhead [--pairs 100] [--n-predict 256] [--model bench] [--no-pin] [--shared-core]
 
 (a) the patched server against the unpatched one, both direct (the seed's comparison);
 (b) the whole stack (patched server behind kvctl's proxy, the controller polling) against the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import statistics
@@ -33,6 +34,22 @@ from bench.streams import Timed, timed_stream
 from tests.integration.llama import NO_BYTE_TOKENS, ServerProcess
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time of every thread of a process, from the scheduler's nanosecond counters (schedstat)."""
+    if pid is None:
+        return math.nan
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return sum(psutil.Process(pid).cpu_times()[:2])  # no procfs: 10 ms ticks
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total / 1e9
+
+
 @dataclass
 class Run:
     tok_s: float  # aggregate generated tokens per second, at the client
@@ -42,9 +59,8 @@ class Run:
 
 async def run(url: str, n_streams: int, n_predict: int, server_pid: int | None = None) -> Run:
     """n_streams concurrent requests; throughput at the client and the server's CPU per token."""
-    proc = psutil.Process(server_pid) if server_pid else None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as s:
-        c0 = sum(proc.cpu_times()[:2]) if proc else 0.0
+        c0 = cpu_seconds(server_pid)
         t0 = time.monotonic()
         res = await asyncio.gather(
             *[
@@ -63,7 +79,7 @@ async def run(url: str, n_streams: int, n_predict: int, server_pid: int | None =
             ]
         )
         wall = time.monotonic() - t0
-        cpu = sum(proc.cpu_times()[:2]) - c0 if proc else math.nan
+        cpu = cpu_seconds(server_pid) - c0
     assert all(r.ok for r in res), [r.error for r in res]
     n = sum(r.n_tokens for r in res)
     return Run(n / wall, cpu / n, list(res))
@@ -104,7 +120,10 @@ def chunk_gaps(res: list[Timed]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--pairs", type=int, default=100, help="alternating A/B pairs per row (a pair's spread is ~2 %%)")
+    ap.add_argument(
+        "--shared-core", action="store_true", help="add a row with kvctl and the client on the server's core"
+    )
     ap.add_argument("--n-predict", type=int, default=256)
     ap.add_argument("--model", default="bench", choices=["bench", "tiny", "gpu"])
     ap.add_argument("--server-args", default="", help="extra llama-server flags for both servers, e.g. '-ngl 99'")
@@ -123,7 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         return s.proc.pid
 
     def add(name: str, n: int, p: Paired) -> None:
-        rows.append((name, n, p.a_tps, p.b_tps, p.ratio[0], p.ratio[1], p.cpu_ratio[0], p.cpu_ratio[1]))
+        loss = 100 * (1 - p.ratio[0])
+        rows.append(
+            (
+                name,
+                n,
+                p.a_tps,
+                p.b_tps,
+                p.ratio[0],
+                p.ratio[1],
+                loss,
+                loss + 100 * p.ratio[1],
+                p.cpu_ratio[0],
+                p.cpu_ratio[1],
+            )
+        )
         print(rows[-1], flush=True)
 
     with (
@@ -146,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_share = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
             # the proxy's own cost: the same patched server, direct and through the proxy
             gaps_d, gaps_p, ttft_d, ttft_p = [], [], [], []
-            for _ in range(args.pairs):
+            for _ in range(min(args.pairs, 30)):
                 rd = asyncio.run(run(pt.url, 1, args.n_predict)).res
                 rp = asyncio.run(run(proxy, 1, args.n_predict)).res
                 gaps_d.append(chunk_gaps(rd))
@@ -158,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(5)
             c1, w1 = kv.cpu_times(), time.monotonic()
             idle_share = ((c1.user + c1.system) - (c0.user + c0.system)) / (w1 - w0)
-        if srv_cpus:
+        if srv_cpus and args.shared_core:
             # what pinning buys: the same stack, with kvctl and the client on the server's core
             os.sched_setaffinity(0, srv_cpus)
             with start_stack(pt.url, cpus=srv_cpus) as proxy:
@@ -177,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             "B tok/s",
             "B/A tok/s",
             "95 % CI ±",
+            "loss %",
+            "loss, 95 % upper bound %",
             "B/A server CPU per token",
             "95 % CI ±",
         ],

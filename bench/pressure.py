@@ -33,42 +33,71 @@ from tests.integration.llama import NO_BYTE_TOKENS, parse_metrics
 class Req:
     prompt: str | list[int]
     n_predict: int
-    delay_s: float = 0.0
+    after: tuple[int, int] | None = None
+    """Start once request ``after[0]`` has streamed ``after[1]`` tokens (or ended): arrivals tied to
+    progress, not to the clock, so a workload means the same on a fast and a slow machine."""
+
+    @property
+    def n_prompt(self) -> int:
+        """Prompt tokens (a text prompt here is a few words: BOS and ~4 tokens)."""
+        return len(self.prompt) if isinstance(self.prompt, list) else 5
 
 
 def workloads(n_ctx: int) -> dict[str, list[Req]]:
     long = int(n_ctx * 0.37)  # 4 of these overflow the pool mid-generation
     return {
         "equal-long": [Req(f"Story {i}:", long) for i in range(4)],
-        "mixed": [Req(f"Long {i}:", int(n_ctx * 0.45)) for i in range(2)]
-        + [Req(f"Short {i}:", 256, 0.2 * i) for i in range(6)],
+        # three long generations that together outgrow the pool, short chats arriving while they run
+        "mixed": [Req(f"Long {i}:", int(n_ctx * 0.4)) for i in range(3)]
+        + [Req(f"Short {i}:", 256, after=(0, int(n_ctx * 0.05 * (i + 1)))) for i in range(6)],
+        # three chats that fit together, then two long prompts arriving while they generate
         "late-prompts": [Req(f"Chat {i}:", int(n_ctx * 0.3)) for i in range(3)]
-        + [Req([1000 + j + 7919 * i for j in range(n_ctx // 4)], 128, 1.0 + 0.5 * i) for i in range(2)],
+        + [
+            Req([1000 + j + 7919 * i for j in range(n_ctx // 4)], 128, after=(0, int(n_ctx * (0.18 + 0.04 * i))))
+            for i in range(2)
+        ],
         # each reaches n_ctx - 1 logical tokens: they can only take turns in a pool of n_ctx cells
         "full-ctx": [Req(f"Full {i}:", n_ctx - 16) for i in range(4)],
     }
 
 
 async def run_cell(url: str, reqs: list[Req], metrics_url: str | None) -> tuple[list[Timed], float, float]:
-    async def one(s: aiohttp.ClientSession, r: Req) -> Timed:
-        await asyncio.sleep(r.delay_s)
-        return await timed_stream(
-            s,
-            url,
-            {
-                "prompt": r.prompt,
-                "n_predict": r.n_predict,
-                "ignore_eos": True,
-                "cache_prompt": False,
-                "logit_bias": NO_BYTE_TOKENS,
-            },
-        )
+    # a request that starts after another's progress waits on an event its chunks (or its end) set
+    watch: dict[int, list[tuple[int, asyncio.Event]]] = {}
+    for r in reqs:
+        if r.after is not None:
+            watch.setdefault(r.after[0], []).append((r.after[1], asyncio.Event()))
+
+    def progressed(i: int, n: int) -> None:
+        for need, ev in watch.get(i, []):
+            if n >= need:
+                ev.set()
+
+    async def one(s: aiohttp.ClientSession, i: int, r: Req) -> Timed:
+        if r.after is not None:
+            j, n = r.after
+            await next(ev for need, ev in watch[j] if need == n).wait()
+        try:
+            return await timed_stream(
+                s,
+                url,
+                {
+                    "prompt": r.prompt,
+                    "n_predict": r.n_predict,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                    "logit_bias": NO_BYTE_TOKENS,
+                },
+                on_chunk=lambda n: progressed(i, n),
+            )
+        finally:
+            progressed(i, 1 << 62)  # it ended: whoever waits on it starts now
 
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0), timeout=timeout) as s:
         parks0 = await parks(s, metrics_url)
         t0 = time.monotonic()
-        results = await asyncio.gather(*[one(s, r) for r in reqs])
+        results = await asyncio.gather(*[one(s, i, r) for i, r in enumerate(reqs)])
         wall = time.monotonic() - t0
         return list(results), wall, await parks(s, metrics_url) - parks0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +35,16 @@ class Timed:
 
 
 async def timed_stream(
-    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], path: str = "/completion"
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    path: str = "/completion",
+    on_chunk: Callable[[int], object] | None = None,
 ) -> Timed:
+    """Stream one request; ``on_chunk(n)`` is called with the number of content chunks so far."""
     res = Timed(t_start=time.monotonic())
     t_parked: float | None = None
+    n_chunks = 0
     try:
         async with session.post(url + path, json={"stream": True, **payload}) as resp:
             if resp.status != 200:
@@ -59,6 +66,9 @@ async def timed_stream(
                     break
                 if res.t_first is None:
                     res.t_first = now
+                n_chunks += 1
+                if on_chunk is not None:
+                    on_chunk(n_chunks)
                 if path == "/completion":
                     res.tokens.extend(chunk.get("tokens", []))
                     res.content += chunk.get("content", "")

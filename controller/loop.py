@@ -424,8 +424,8 @@ class ControlLoop:
 
     def _parked(self, r: ParkResult, reason: Reason, dt: float, fields: dict[str, object], pin: bool = False) -> None:
         self.state.parks += 1
-        old = self.state.history.get(r.id_task, TaskHistory())
-        self.state.history[r.id_task] = TaskHistory(parks=old.parks + 1, pinned=old.pinned or pin)
+        old = self.state.history.get(r.id_task, TaskHistory()).parked()
+        self.state.history[r.id_task] = replace(old, pinned=old.pinned or pin)
         self.metrics.parks.labels(reason=str(reason)).inc()
         self.metrics.park_seconds.observe(dt)
         log.info(
@@ -440,9 +440,8 @@ class ControlLoop:
     def _resumed(
         self, r: ResumeResult, reason: Reason, dt: float, fields: dict[str, object], waited_ms: int | None
     ) -> None:
-        old = self.state.history.get(r.id_task)
-        if old is not None and old.pinned:
-            self.state.history[r.id_task] = TaskHistory(parks=old.parks, pinned=False)
+        old = self.state.history.get(r.id_task, TaskHistory())
+        self.state.history[r.id_task] = replace(old, pinned=False, resumed_ms=self._clock_ms())
         self.state.resumes += 1
         self.metrics.resumes.labels(reason=str(reason)).inc()
         self.metrics.resume_seconds.observe(dt)
@@ -510,7 +509,7 @@ class ControlLoop:
         old = self.state.history.get(task, TaskHistory())
         if cmd.action is ManualAction.PARK:
             if slot.state is SlotState.PARKED:
-                self.state.history[task] = TaskHistory(parks=old.parks, pinned=True)
+                self.state.history[task] = replace(old, pinned=True)
                 log.info("park.pinned", **fields)
                 return ManualResult(slot.id, task, cmd.action, True, "already parked; now pinned", slot.n_cells)
             t0 = time.perf_counter()
@@ -524,7 +523,7 @@ class ControlLoop:
         if slot.state is not SlotState.PARKED:
             raise ManualError(409, f"slot {cmd.slot} is not parked (state '{slot.state}')")
         # unpinned first: should the resume fail for lack of room, the policy restores it when there is
-        self.state.history[task] = TaskHistory(parks=old.parks, pinned=False)
+        self.state.history[task] = replace(old, pinned=False)
         t0 = time.perf_counter()
         try:
             resume = await self.client.resume(slot.id, task)

@@ -284,11 +284,20 @@ def test_a_starving_head_is_restored_below_high_and_room_is_made_for_it() -> Non
         (ActionKind.PARK, 1, Reason.MAKE_ROOM),
         (ActionKind.RESUME, 2, Reason.STARVATION),
     ]
-    # no permitted park makes room: nothing is done at all
+    # only parking the largest makes room: it gives way once its turn has lasted as long as the head
+    # has starved (31 s waited: 1 s beyond max_wait)
     slots[0] = replace(slots[0], n_cells=600)
-    d = run(kv(1000, slots))
-    assert d.actions == ()
+    d = run(kv(1000, slots), history={100: TaskHistory(resumed_ms=NOW - 500)})
+    assert d.actions == (), "it was resumed 0.5 s ago: it keeps its turn"
     assert any(s.reason is SkipReason.NO_ROOM for s in d.skipped)
+    d = run(kv(1000, slots), history={100: TaskHistory(resumed_ms=NOW - 1_000)})
+    assert [(a.kind, a.slot, a.reason) for a in d.actions] == [
+        (ActionKind.PARK, 0, Reason.MAKE_ROOM),
+        (ActionKind.RESUME, 2, Reason.STARVATION),
+    ]
+    # never when its snapshot could not come back below HIGH on its own
+    d = run(kv(1000, [replace(slots[0], n_cells=939), slots[2]]))
+    assert d.actions == ()
 
 
 def test_pinned_requests_stay_parked_and_do_not_block_others() -> None:
@@ -537,6 +546,11 @@ class Sim:
     slots: dict[int, Req]
     now: int = NOW
     ended: list[int] = field(default_factory=list)
+    history: dict[int, TaskHistory] = field(default_factory=dict)  # kept as the control loop keeps it
+    cfg: PolicyConfig = CFG
+
+    def input(self) -> PolicyInput:
+        return PolicyInput(self.snapshot(), self.now, self.history)
 
     def snapshot(self) -> KvSnapshot:
         specs = []
@@ -568,11 +582,13 @@ class Sim:
             if a.kind is ActionKind.PARK:
                 assert not r.parked
                 r.parked, r.park_count, r.parked_since = True, r.park_count + 1, self.now
+                self.history[r.task] = self.history.get(r.task, TaskHistory()).parked()
             elif a.kind is ActionKind.RESUME:
                 assert r.parked
                 if r.cells > self.n - self.used():
                     return  # 503: not enough free cells; the rest of the decision is dropped
                 r.parked = False
+                self.history[r.task] = replace(self.history.get(r.task, TaskHistory()), resumed_ms=self.now)
             else:
                 self.ended.append(r.task)
                 del self.slots[a.slot]
@@ -624,7 +640,7 @@ def workloads(draw: st.DrawFn) -> tuple[Sim, PolicyConfig]:
         max_wait_ms=draw(st.integers(1000, 60_000)),
     )
     cfg = replace(cfg, low=draw(st.floats(0.1, cfg.high - 0.05)))
-    return Sim(n, reqs), cfg
+    return Sim(n, reqs, cfg=cfg), cfg
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -637,7 +653,7 @@ def test_once_arrivals_stop_every_parked_request_is_restored_or_ended(case: tupl
     steps = 0
     while sim.slots:
         assert steps < bound, f"still waiting after {steps} steps: {sim.slots}"
-        sim.apply(decide(PolicyInput(sim.snapshot(), sim.now), cfg))
+        sim.apply(decide(sim.input(), cfg))
         sim.advance()
         steps += 1
     assert set(sim.ended) == too_big, "only requests larger than the pool are ended"
@@ -653,7 +669,7 @@ def test_a_request_larger_than_low_times_the_pool_is_restored_once_arrivals_stop
     )
     restored_at = None
     for step in range(400):
-        sim.apply(decide(PolicyInput(sim.snapshot(), sim.now), CFG))
+        sim.apply(decide(sim.input(), CFG))
         if 1 in sim.slots and not sim.slots[1].parked and restored_at is None:
             restored_at = step
         sim.advance()

@@ -1,0 +1,306 @@
+"""Restore order without the noise: kvctl's policy replayed on a simulated server, fifo against the seed's.
+
+    python -m bench.policy_sim [--random 500] [--poll-steps 16]
+
+On a real server, the longest parked wait of one run moves by several percent with the machine's
+speed, and where two orders make the same decisions their waits differ by noise alone. Here the
+real ``controller.policy.decide`` and ``admission`` run on a step-exact model of the server: each
+decode step adds one cell per generating request, a prompt is prefilled in ``n_batch`` chunks,
+a finished request frees its cells, parks and resumes take effect at the poll that decides them,
+and the controller polls every ``--poll-steps`` steps (50 ms at ~3 ms a step). Waits are counted
+in decode steps, so both orders are compared on the same clock.
+
+Workloads: the pressure benchmark's own (bench/pressure.py, arrivals tied to progress as there),
+and ``--random`` seeded random mixes of 4 to 16 requests. The table gives the longest parked wait
+of each order, its parks, the steps to finish everything, and any step that would not have fit
+(the server's safety net would have caught it; kvctl's goal is none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from dataclasses import dataclass, field, replace
+
+from bench.common import save, table
+from bench.pressure import Req, workloads
+from controller.policy import ActionKind, PolicyConfig, PolicyInput, TaskHistory, admission, decide
+from controller.settings import PolicySettings, RestoreOrder
+from controller.upstream.models import KvSnapshot, Lease, NextStep, ParkInfo, Slot, SlotState
+
+STEP_MS = 3  # one decode step of the tiny model on one core, for the policy's clock only
+
+
+@dataclass
+class _Req:
+    i: int
+    spec: Req
+    state: SlotState = SlotState.IDLE  # IDLE here: not started yet
+    cells: int = 0
+    prompt_left: int = 0
+    decoded: int = 0
+    t_arrival: int = 0
+    parks: int = 0
+    parked_since: int | None = None
+    parked_cells: int = 0
+    parked_total: int = 0  # steps parked in earlier episodes
+    done: bool = False
+    started: bool = False
+
+
+@dataclass
+class Outcome:
+    max_wait: int = 0
+    waits: list[int] = field(default_factory=list)
+    parks: int = 0
+    overflows: int = 0
+    steps: int = 0
+    completed: int = 0
+    total: int = 0
+
+
+def simulate(
+    n_ctx: int, reqs: list[Req], order: RestoreOrder, poll_steps: int = 16, n_slots: int = 8, n_batch: int = 512
+) -> Outcome:
+    cfg = PolicyConfig.from_settings(PolicySettings(restore_order=order))
+    rs = [_Req(i, r) for i, r in enumerate(reqs)]
+    out = Outcome(total=len(rs))
+    history: dict[int, TaskHistory] = {}
+    allowance: int | None = 0
+    step = 0
+    limit = 40 * sum(r.n_predict + r.n_prompt for r in reqs) + 10_000
+
+    def used() -> int:
+        return sum(r.cells for r in rs if r.state in (SlotState.PROMPT, SlotState.GENERATING))
+
+    def snapshot() -> KvSnapshot:
+        slots = []
+        for r in rs:
+            if r.state is SlotState.IDLE or r.done:
+                continue
+            parked = r.state is SlotState.PARKED
+            slots.append(
+                Slot(
+                    id=len(slots),
+                    id_task=r.i,
+                    state=r.state,
+                    n_cells=0 if parked else r.cells,
+                    n_prompt=r.spec.n_prompt,
+                    n_decoded=r.decoded,
+                    t_arrival_ms=r.t_arrival * STEP_MS,
+                    park=ParkInfo(
+                        count=r.parks,
+                        bytes=r.parked_cells if parked else 0,
+                        n_cells=r.parked_cells if parked else None,
+                        t_parked_total_ms=(
+                            r.parked_total + (step - r.parked_since if r.parked_since is not None else 0)
+                        )
+                        * STEP_MS,
+                        parked_since_ms=r.parked_since * STEP_MS if parked and r.parked_since is not None else None,
+                    ),
+                )
+            )
+        n_gen = sum(1 for s in slots if s.state is SlotState.GENERATING)
+        n_prompt = min(sum(r.prompt_left for r in rs if r.state is SlotState.PROMPT), max(0, n_batch - n_gen))
+        u = used()
+        idle = n_slots - len(slots)
+        for _ in range(idle):
+            slots.append(
+                Slot(
+                    id=len(slots), state=SlotState.IDLE, n_cells=0, park=ParkInfo(count=0, bytes=0, t_parked_total_ms=0)
+                )
+            )
+        return KvSnapshot(
+            n_cells=n_ctx,
+            n_cells_used=u,
+            n_cells_free=n_ctx - u,
+            used_ratio=u / n_ctx,
+            source="exact",
+            bytes_per_cell=1,
+            next_step=NextStep(n_gen=n_gen, n_draft_max=0, n_prompt_max=n_prompt, n_total_max=n_gen + n_prompt),
+            n_slots=n_slots,
+            n_slots_idle=idle,
+            n_parked=sum(1 for s in slots if s.state is SlotState.PARKED),
+            parked_bytes=sum(r.parked_cells for r in rs if r.state is SlotState.PARKED),
+            lease=Lease(held=True, ttl_s=10, age_ms=0),
+            slots=tuple(slots),
+        )
+
+    def progress(j: int) -> int:
+        return 1 << 62 if rs[j].done else rs[j].decoded
+
+    while not all(r.done for r in rs) and step < limit:
+        if step % poll_steps == 0:
+            kv = snapshot()
+            d = decide(PolicyInput(kv, step * STEP_MS, history), cfg)
+            by_slot = {s.id: s.id_task for s in kv.slots}
+            for a in d.actions:
+                r = rs[by_slot[a.slot]]  # type: ignore[index]
+                if a.kind is ActionKind.PARK:
+                    r.state, r.parked_cells, r.cells = SlotState.PARKED, r.cells, 0
+                    r.parked_since, r.parks = step, r.parks + 1
+                    history[r.i] = history.get(r.i, TaskHistory()).parked()
+                    out.parks += 1
+                elif a.kind is ActionKind.RESUME:
+                    assert r.parked_since is not None
+                    out.waits.append(step - r.parked_since)
+                    r.parked_total += step - r.parked_since
+                    r.state, r.cells, r.parked_since = SlotState.GENERATING, r.parked_cells, None
+                    history[r.i] = replace(history.get(r.i, TaskHistory()), resumed_ms=step * STEP_MS)
+                else:  # END: cannot fit the pool even alone
+                    r.done = True
+            verdict = admission(PolicyInput(kv, step * STEP_MS, history), cfg, 512)
+            allowance = min(verdict.allowance if verdict.allowance is not None else n_slots, kv.n_slots_idle)
+        # arrivals, in order, as the proxy admits them
+        for r in rs:
+            if r.started or (r.spec.after is not None and progress(r.spec.after[0]) < r.spec.after[1]):
+                continue
+            if not allowance:
+                break
+            allowance -= 1
+            r.started, r.state, r.t_arrival, r.prompt_left = True, SlotState.PROMPT, step, r.spec.n_prompt
+        # one decode step: generating requests add a cell each, prompts take what is left of the batch
+        gen = [r for r in rs if r.state is SlotState.GENERATING]
+        budget = n_batch - len(gen)
+        for r in rs:
+            if r.state is SlotState.PROMPT and budget > 0:
+                take = min(r.prompt_left, budget)
+                r.prompt_left -= take
+                r.cells += take
+                budget -= take
+                if r.prompt_left == 0:
+                    r.state, r.decoded = SlotState.GENERATING, 1  # the first token comes with the prompt's last batch
+        for r in gen:
+            r.cells += 1
+            r.decoded += 1
+        if used() > n_ctx:
+            # the decode would not fit: the server's safety net parks the newest generating request
+            out.overflows += 1
+            victim = max((r for r in rs if r.state is SlotState.GENERATING), key=lambda r: r.t_arrival)
+            victim.state, victim.parked_cells, victim.cells = SlotState.PARKED, victim.cells, 0
+            victim.parked_since, victim.parks = step, victim.parks + 1
+        for r in rs:
+            if r.state is SlotState.GENERATING and r.decoded >= r.spec.n_predict:
+                r.done, r.state, r.cells = True, SlotState.IDLE, 0
+                out.completed += 1
+        step += 1
+    out.steps = step
+    out.max_wait = max(out.waits, default=0)
+    return out
+
+
+def random_workload(rng: random.Random, n_ctx: int) -> list[Req]:
+    n = rng.randint(4, 16)
+    reqs: list[Req] = []
+    for i in range(n):
+        n_prompt = rng.choice([5, rng.randint(16, n_ctx // 4)])
+        n_predict = rng.randint(64, n_ctx // 2)
+        after = None if i < 2 or rng.random() < 0.3 else (rng.randrange(i), rng.randint(0, n_ctx // 4))
+        reqs.append(Req([1] * n_prompt if n_prompt > 5 else f"R{i}", n_predict, after=after))
+    return reqs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--random", type=int, default=500, help="random workloads per band")
+    ap.add_argument("--poll-steps", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    rows = []
+    for n_ctx in (8192, 16384):
+        for name, reqs in workloads(n_ctx).items():
+            f = simulate(n_ctx, reqs, RestoreOrder.FIFO, args.poll_steps)
+            s = simulate(n_ctx, reqs, RestoreOrder.SEED, args.poll_steps)
+            rows.append(
+                (
+                    n_ctx,
+                    name,
+                    f"{f.completed}/{f.total}",
+                    f.max_wait,
+                    s.max_wait,
+                    f.parks,
+                    s.parks,
+                    f.steps,
+                    s.steps,
+                    f.overflows,
+                    s.overflows,
+                )
+            )
+            print(rows[-1], flush=True)
+    out = table(
+        [
+            "n_ctx",
+            "workload",
+            "completed (fifo)",
+            "max wait fifo",
+            "max wait seed",
+            "parks fifo",
+            "parks seed",
+            "steps fifo",
+            "steps seed",
+            "overflows fifo",
+            "overflows seed",
+        ],
+        rows,
+    )
+    rng = random.Random(args.seed)
+    summary = []
+    for n_ctx in (8192, 16384):
+        better = same = worse = 0
+        ratios, fo, so = [], 0, 0
+        worst = 0.0
+        for _ in range(args.random):
+            reqs = random_workload(rng, n_ctx)
+            f = simulate(n_ctx, reqs, RestoreOrder.FIFO, args.poll_steps)
+            s = simulate(n_ctx, reqs, RestoreOrder.SEED, args.poll_steps)
+            fo += f.overflows
+            so += s.overflows
+            if f.max_wait < s.max_wait:
+                better += 1
+            elif f.max_wait == s.max_wait:
+                same += 1
+            else:
+                worse += 1
+                worst = max(worst, f.max_wait / max(1, s.max_wait))
+            if s.max_wait:
+                ratios.append(f.max_wait / s.max_wait)
+        summary.append(
+            (
+                n_ctx,
+                args.random,
+                better,
+                same,
+                worse,
+                worst or "-",
+                statistics.median(ratios) if ratios else "-",
+                fo,
+                so,
+            )
+        )
+        print(summary[-1], flush=True)
+    out2 = table(
+        [
+            "n_ctx",
+            "random workloads",
+            "fifo shorter",
+            "same",
+            "fifo longer",
+            "worst fifo/seed",
+            "median fifo/seed",
+            "overflows fifo",
+            "overflows seed",
+        ],
+        summary,
+    )
+    head = f"Simulated server, controller polling every {args.poll_steps} decode steps; waits in decode steps."
+    text = f"{head}\n\n{out}\n\n{out2}\n"
+    print()
+    print(text)
+    save("policy_sim.md", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
