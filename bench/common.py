@@ -26,7 +26,9 @@ from tests.integration.llama import ServerProcess  # noqa: E402
 
 
 def build(patched: bool = True) -> Path:
-    args = ["bash", str(ROOT / "scripts" / "build_llama.sh")] + ([] if patched else ["--no-patches"])
+    """The cached server build; KVCTL_BENCH_BUILD_ARGS adds build flags (bench/gpu.sh: '--cuda')."""
+    extra = os.environ.get("KVCTL_BENCH_BUILD_ARGS", "").split()
+    args = ["bash", str(ROOT / "scripts" / "build_llama.sh"), *extra] + ([] if patched else ["--no-patches"])
     out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 

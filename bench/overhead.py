@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="bench", choices=["bench", "tiny", "gpu"])
     ap.add_argument("--server-args", default="", help="extra llama-server flags for both servers, e.g. '-ngl 99'")
     ap.add_argument("--no-pin", action="store_true", help="let servers, client and kvctl share every CPU")
+    ap.add_argument("--out", default="overhead", help="name of the table in bench/results/")
     args = ap.parse_args(argv)
     patched, unpatched = build(), build(patched=False)
     gguf = model(args.model, patched)
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     head = f"model: {args.model}, {args.pairs} alternating pairs, {args.n_predict} tokens per request, {where}"
     text = f"{head}\n\n{out}\n\n{extra}\n\n{cpu}\n"
     print(text)
-    save("overhead.md", text)
+    save(f"{args.out}.md", text)
     return 0
 
 

@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="upstream,safety-net,kvctl,kvctl-seed")
     ap.add_argument("--workloads", default="equal-long,mixed,late-prompts,full-ctx")
     ap.add_argument("--quick", action="store_true", help="8192 only, two workloads")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "bench", "gpu"])
+    ap.add_argument("--server-args", default="", help="extra llama-server flags for every server, e.g. '-ngl 99'")
+    ap.add_argument("--out", default="pressure", help="name of the table and plot in bench/results/")
     args = ap.parse_args(argv)
     bands = [8192] if args.quick else [int(b) for b in args.bands.split(",")]
     names = ["equal-long", "late-prompts"] if args.quick else args.workloads.split(",")
@@ -147,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
 
     patched = build()
     unpatched = build(patched=False) if "upstream" in modes else None
-    gguf = model("tiny", patched)
+    gguf = model(args.model, patched)
     rows = []
     solo: dict[int, float] = {}
     for n_ctx in bands:
-        base = ("-c", str(n_ctx), "-np", "8", "-kvu", "--slots", "--metrics", "-b", "512")
+        base = ("-c", str(n_ctx), "-np", "8", "-kvu", "--slots", "--metrics", "-b", "512", *args.server_args.split())
         for name in names:
             reqs = workloads(n_ctx)[name]
             with server(patched, gguf, *base) as srv:
@@ -202,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(out)
-    save("pressure.md", out + "\n")
-    plot(rows, modes)
+    save(f"{args.out}.md", out + "\n")
+    plot(rows, modes, args.out)
     return 0
 
 
-def plot(rows: list[tuple[object, ...]], modes: list[str]) -> None:
+def plot(rows: list[tuple[object, ...]], modes: list[str], name: str = "pressure") -> None:
     try:
         import matplotlib
 
@@ -236,7 +239,7 @@ def plot(rows: list[tuple[object, ...]], modes: list[str]) -> None:
     ax2.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
     ax2.set_xticklabels([f"{c[0]}\n{c[1]}" for c in cells], fontsize=8)
     fig.tight_layout()
-    path = save("pressure.png", "")
+    path = save(f"{name}.png", "")
     fig.savefig(path)
 
 

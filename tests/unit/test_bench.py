@@ -1,0 +1,55 @@
+"""The benchmarks' own logic: the policy simulator, the workloads and the GPU script's plan (no timings)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.policy_sim import simulate
+from bench.pressure import workloads
+from controller.settings import RestoreOrder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["equal-long", "mixed", "late-prompts", "full-ctx"])
+def test_every_pressure_workload_outgrows_its_pool(name: str) -> None:
+    for n_ctx in (8192, 16384):
+        reqs = workloads(n_ctx)[name]
+        assert sum(r.n_prompt + r.n_predict for r in reqs) > n_ctx
+
+
+@pytest.mark.parametrize("name", ["equal-long", "mixed", "late-prompts", "full-ctx"])
+def test_simulated_fifo_completes_everything_and_never_waits_longer_than_the_seed_order(name: str) -> None:
+    reqs = workloads(8192)[name]
+    fifo = simulate(8192, reqs, RestoreOrder.FIFO)
+    seed = simulate(8192, reqs, RestoreOrder.SEED)
+    assert fifo.completed == fifo.total == len(reqs)
+    assert fifo.overflows == 0, "the controller alone keeps every step inside the pool"
+    assert fifo.parks > 0, "the workload must make the policy act"
+    assert fifo.max_wait <= seed.max_wait
+
+
+def test_gpu_script_plans_every_stage_with_arguments_the_benchmarks_accept() -> None:
+    out = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run"], check=True, capture_output=True, text=True
+    ).stdout
+    stages = [line for line in out.splitlines() if line.startswith("[dry-run]")]
+    assert [s.split(":")[0] for s in stages] == [
+        "[dry-run] build, patched",
+        "[dry-run] build, unpatched",
+        "[dry-run] model",
+        "[dry-run] pressure",
+        "[dry-run] cost",
+    ]
+    assert "--cuda" in stages[0] and "--no-patches" in stages[1]
+    for line in stages[3:]:
+        argv = shlex.split(line.split(": ", 1)[1].replace("-ngl 99", "'-ngl 99'"))
+        module = argv[argv.index("-m") + 1]
+        # --help last: argparse checks every argument before it, then exits 0
+        r = subprocess.run([sys.executable, "-m", module, *argv[argv.index("-m") + 2 :], "--help"], cwd=ROOT)
+        assert r.returncode == 0, line
