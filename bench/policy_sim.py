@@ -27,10 +27,12 @@ from dataclasses import dataclass, field, replace
 from bench.common import save, table
 from bench.pressure import Req, workloads
 from controller.policy import ActionKind, PolicyConfig, PolicyInput, TaskHistory, admission, decide
+from controller.proxy.admission import AdmissionGate
 from controller.settings import PolicySettings, RestoreOrder
 from controller.upstream.models import KvSnapshot, Lease, NextStep, ParkInfo, Slot, SlotState
 
 STEP_MS = 3  # one decode step of the tiny model on one core, for the policy's clock only
+RESERVE = 512  # proxy.admission_reserve_cells
 
 
 @dataclass
@@ -68,7 +70,8 @@ def simulate(
     rs = [_Req(i, r) for i, r in enumerate(reqs)]
     out = Outcome(total=len(rs))
     history: dict[int, TaskHistory] = {}
-    allowance: int | None = 0
+    gate = AdmissionGate()
+    gate.update("no poll yet", 0)
     step = 0
     limit = 40 * sum(r.n_predict + r.n_prompt for r in reqs) + 10_000
 
@@ -151,15 +154,19 @@ def simulate(
                     history[r.i] = replace(history.get(r.i, TaskHistory()), resumed_ms=step * STEP_MS)
                 else:  # END: cannot fit the pool even alone
                     r.done = True
-            verdict = admission(PolicyInput(kv, step * STEP_MS, history), cfg, 512)
+            verdict = admission(PolicyInput(kv, step * STEP_MS, history), cfg, RESERVE)
             allowance = min(verdict.allowance if verdict.allowance is not None else n_slots, kv.n_slots_idle)
-        # arrivals, in order, as the proxy admits them
+            if kv.n_slots_idle == 0:
+                verdict = replace(verdict, admit=False, reason="no idle slot")
+            gate.update(
+                None if verdict.admit else verdict.reason, allowance, room_cells=verdict.room_cells, empty=verdict.empty
+            )
+        # arrivals, in order (first come, first served), through the proxy's own gate
         for r in rs:
             if r.started or (r.spec.after is not None and progress(r.spec.after[0]) < r.spec.after[1]):
                 continue
-            if not allowance:
+            if not gate.take(max(RESERVE, r.spec.n_prompt)):
                 break
-            allowance -= 1
             r.started, r.state, r.t_arrival, r.prompt_left = True, SlotState.PROMPT, step, r.spec.n_prompt
         # one decode step: generating requests add a cell each, prompts take what is left of the batch
         gen = [r for r in rs if r.state is SlotState.GENERATING]

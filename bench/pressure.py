@@ -50,10 +50,11 @@ def workloads(n_ctx: int) -> dict[str, list[Req]]:
         # three long generations that together outgrow the pool, short chats arriving while they run
         "mixed": [Req(f"Long {i}:", int(n_ctx * 0.4)) for i in range(3)]
         + [Req(f"Short {i}:", 256, after=(0, int(n_ctx * 0.05 * (i + 1)))) for i in range(6)],
-        # three chats that fit together, then two long prompts arriving while they generate
+        # three chats that fit together, then two long prompts arriving while they generate: each
+        # prompt takes a quarter of the pool when the chats hold two thirds and more of it
         "late-prompts": [Req(f"Chat {i}:", int(n_ctx * 0.3)) for i in range(3)]
         + [
-            Req([1000 + j + 7919 * i for j in range(n_ctx // 4)], 128, after=(0, int(n_ctx * (0.18 + 0.04 * i))))
+            Req([1000 + j + 7919 * i for j in range(n_ctx // 4)], 256, after=(0, int(n_ctx * (0.22 + 0.04 * i))))
             for i in range(2)
         ],
         # each reaches n_ctx - 1 logical tokens: they can only take turns in a pool of n_ctx cells

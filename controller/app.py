@@ -110,7 +110,11 @@ class App:
             return
         self.gate.refuse_reason = None
         self.gate.update(
-            None if verdict.admit else verdict.reason, verdict.allowance, self.loop.state.snapshot_asked_monotonic
+            None if verdict.admit else verdict.reason,
+            verdict.allowance,
+            self.loop.state.snapshot_asked_monotonic,
+            room_cells=verdict.room_cells,
+            empty=verdict.empty,
         )
 
     async def _start_proxy(self) -> None:
@@ -130,6 +134,7 @@ class App:
             connect_timeout_s=self.settings.upstream.timeout_s,
             expose_private_routes=p.expose_private_routes,
             retry_after_s=p.retry_after_s,
+            reserve_cells=p.admission_reserve_cells,
         )
         self.loop.add_poll_listener(self._update_gate)
         self.gate.on_wait = self.loop.poll_soon

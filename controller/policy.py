@@ -210,6 +210,10 @@ class Admission:
     reason: str
     allowance: int | None = None
     """How many new requests (of the reserved size each) may start before the next snapshot; None: no limit."""
+    room_cells: int | None = None
+    """Cells new requests may add (a prompt and its first step each) with the projection staying below HIGH."""
+    empty: bool = False
+    """Nothing is resident: one request starts whatever its size (the pool is all its own)."""
 
 
 # --- accounting --------------------------------------------------------------------------------
@@ -532,7 +536,8 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admis
     room = cfg.high * pool.n_target - pool.ratio() * pool.n_target  # cells left below HIGH, target pool
     if pool.n_draft:
         room = min(room, cfg.high * pool.n_draft - pool.ratio() * pool.n_draft)
-    allowance = max(0, math.ceil(room / per) - 1)  # strictly below HIGH
+    room_cells = max(0, math.ceil(room) - 1)  # strictly below HIGH
+    allowance = max(0, math.ceil(room / per) - 1)
     for _ in range(2):  # float rounding at the edge
         if allowance > 0 and pool.ratio(allowance * per - allowance, allowance) >= cfg.high:
             allowance -= 1
@@ -541,5 +546,5 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admis
     if not resident:
         allowance = max(1, allowance)
     if allowance == 0:
-        return Admission(False, "the pool would reach HIGH", 0)
-    return Admission(True, "room", allowance)
+        return Admission(False, "the pool would reach HIGH", 0, room_cells)
+    return Admission(True, "room", allowance, room_cells, empty=not resident)

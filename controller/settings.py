@@ -137,8 +137,8 @@ class ProxySettings(_Group):
     """Largest request body; a larger one gets 413."""
 
     admission_reserve_cells: int = Field(default=512, ge=0)
-    """Cells a new request is assumed to need when admission checks the pool against HIGH (its prompt is not
-    tokenized yet)."""
+    """The least a new request is assumed to need when admission checks the pool against HIGH: its prompt's
+    estimate (exact for token ids, one token per 3 bytes of text) when larger, since it is not tokenized yet."""
 
     expose_private_routes: bool = False
     """Pass /slots, /kv, /metrics and slot actions through the public listener. Off: a client could otherwise park

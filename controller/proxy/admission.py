@@ -22,17 +22,21 @@ class QueueTimeout(Exception):
 
 
 class AdmissionGate:
-    """Open or held, with the reason, and how many requests the last snapshot had room for.
+    """Open or held, with the reason, and how much the last snapshot had room for.
 
-    The control loop updates it after every poll; the proxy takes one admission per request.
-    Requests admitted after the snapshot was asked for are not in it yet: they are taken off the
-    new allowance. Waiters wake whenever an update may let one through.
+    The control loop updates it after every poll: how many requests may start (idle slots, and the
+    reserve per request) and how many cells they may add below HIGH. The proxy takes one admission
+    per request, with the cells its prompt is estimated to need. Requests admitted after the
+    snapshot was asked for are not in it yet: they are taken off the new allowance. Waiters wake
+    whenever an update may let one through.
     """
 
     def __init__(self) -> None:
         self._reason: str | None = None
         self._allowance: int | None = None  # None: no limit
-        self._admitted: collections.deque[float] = collections.deque(maxlen=4096)  # monotonic times
+        self._room: int | None = None  # cells; None: no limit
+        self._empty = False
+        self._admitted: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)  # (monotonic, cells)
         self._changed = asyncio.Event()
         self.refuse_reason: str | None = None
         """Set while new requests must be refused at once (the server is down or not answering)."""
@@ -51,24 +55,49 @@ class AdmissionGate:
     def allowance(self) -> int | None:
         return self._allowance
 
-    def update(self, hold_reason: str | None, allowance: int | None = None, as_of: float | None = None) -> None:
-        """``allowance``: new requests the snapshot taken at ``as_of`` (monotonic) had room for."""
-        if allowance is not None and as_of is not None:
-            unseen = sum(1 for t in self._admitted if t >= as_of)
-            allowance = max(0, allowance - unseen)
+    @property
+    def room_cells(self) -> int | None:
+        return self._room
+
+    def update(
+        self,
+        hold_reason: str | None,
+        allowance: int | None = None,
+        as_of: float | None = None,
+        *,
+        room_cells: int | None = None,
+        empty: bool = False,
+    ) -> None:
+        """What the snapshot asked for at ``as_of`` (monotonic) had room for: ``allowance`` requests,
+        ``room_cells`` cells; ``empty``: nothing resident, so one request starts whatever its size."""
+        if as_of is not None:
+            unseen = [cells for t, cells in self._admitted if t >= as_of]
+            if unseen:
+                empty = False
+                if allowance is not None:
+                    allowance = max(0, allowance - len(unseen))
+                if room_cells is not None:
+                    room_cells = max(0, room_cells - sum(c + 1 for c in unseen))
         self._reason = hold_reason
         self._allowance = allowance
+        self._room = room_cells
+        self._empty = empty
         if self.hold_reason is None:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    def take(self) -> bool:
-        """One admission, if the gate lets one through now."""
+    def take(self, cells: int = 0) -> bool:
+        """One admission of a request whose prompt needs ``cells``, if the gate lets it through now."""
         if self.hold_reason is not None:
+            return False
+        if self._room is not None and cells + 1 > self._room and not self._empty:
             return False
         if self._allowance is not None:
             self._allowance -= 1
-        self._admitted.append(time.monotonic())
+        if self._room is not None:
+            self._room = max(0, self._room - cells - 1)
+        self._empty = False
+        self._admitted.append((time.monotonic(), cells))
         return True
 
     async def wait_changed(self) -> None:
@@ -82,6 +111,7 @@ class AdmissionGate:
 @dataclass
 class _Waiter:
     fut: asyncio.Future[None]
+    cells: int
 
 
 class AdmissionQueue:
@@ -98,13 +128,16 @@ class AdmissionQueue:
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def admit(self) -> None:
-        """Return when the request may go upstream; raise QueueFull or QueueTimeout."""
-        if not self._waiters and self.gate.take():
+    async def admit(self, cells: int = 0) -> None:
+        """Return when a request needing ``cells`` may go upstream; raise QueueFull or QueueTimeout.
+
+        First come, first served: a large prompt at the head holds back smaller ones behind it, so it
+        is never starved by a stream of small ones."""
+        if not self._waiters and self.gate.take(cells):
             return
         if len(self._waiters) >= self.depth:
             raise QueueFull(f"admission queue is full ({self.depth} waiting)")
-        waiter = _Waiter(asyncio.get_running_loop().create_future())
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), cells)
         self._waiters.append(waiter)
         self._ensure_pump()
         try:
@@ -121,18 +154,22 @@ class AdmissionQueue:
             self._pump = asyncio.get_running_loop().create_task(self._run(), name="kvctl-admission-pump")
 
     async def _run(self) -> None:
-        # releases the head of the queue while the gate lets requests through; otherwise asks
-        # for a fresh poll and waits for the gate to change
+        # releases the head of the queue while the gate lets requests through; otherwise waits for
+        # the gate to change, asking for a fresh poll once per head (after that, the loop's own
+        # cadence: a head that does not fit must not turn polling into a busy loop)
+        asked: _Waiter | None = None
         while self._waiters:
             head = self._waiters[0]
             if head.fut.done():  # its client left or it timed out
                 self._waiters.popleft()
                 continue
-            if self.gate.take():
+            if self.gate.take(head.cells):
                 self._waiters.popleft()
                 head.fut.set_result(None)
                 continue
-            self.gate.want_poll()
+            if asked is not head:
+                asked = head
+                self.gate.want_poll()
             await self.gate.wait_changed()
 
     async def close(self) -> None:

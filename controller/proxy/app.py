@@ -69,6 +69,7 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     expose_private_routes: bool = False
     retry_after_s: int = 2
+    reserve_cells: int = 512  # the least a new request is assumed to need (admission_reserve_cells)
 
 
 @dataclass
@@ -135,6 +136,34 @@ def refused_by_server(route: str, payload: dict[str, Any]) -> bool:
     if route == "/v1/chat/completions":
         return not isinstance(payload.get("messages"), list)
     return payload.get("prompt") is None
+
+
+def estimate_prompt_cells(route: str, payload: dict[str, Any]) -> int:
+    """Cells a request's prompt will take, before the server tokenizes it: exact for token ids, and for
+    text one token per 3 bytes of UTF-8 (most tokenizers average 3.5 to 4.5 on prose, so this errs
+    towards holding a large prompt back rather than letting it overflow the pool)."""
+
+    def text(n_bytes: int) -> int:
+        return -(-n_bytes // 3)
+
+    def one(p: Any) -> int:
+        if isinstance(p, str):
+            return text(len(p.encode("utf-8", "replace")))
+        if isinstance(p, list):
+            if all(isinstance(t, int) for t in p):
+                return len(p)
+            return sum(one(x) for x in p)  # several prompts: each takes a slot, but all their cells count
+        if isinstance(p, dict):  # a multimodal or templated part: its text
+            return sum(one(v) for k, v in p.items() if k in ("text", "content", "prompt_string"))
+        return 0
+
+    if route == "/v1/chat/completions":
+        messages = payload.get("messages")
+        # roles and the chat template add a few tokens per message
+        return (
+            sum(one(m.get("content")) + 8 for m in messages if isinstance(m, dict)) if isinstance(messages, list) else 0
+        )
+    return one(payload.get("prompt"))
 
 
 def error_body(message: str, code: str, etype: str = "server_error") -> dict[str, Any]:
@@ -302,7 +331,8 @@ class Proxy:
         try:
             t_queue = time.monotonic()
             try:
-                early = await self.wait_for_admission(request, stream)
+                cells = max(self.config.reserve_cells, estimate_prompt_cells(request.path, payload))
+                early = await self.wait_for_admission(request, stream, cells)
             except AdmissionRefused as e:
                 return await self.refuse(request, e.prepared, str(e.__cause__), e.code)
             self.metrics.admission_wait.observe(time.monotonic() - t_queue)
@@ -325,13 +355,13 @@ class Proxy:
             return early
         return error_response(503, message, code, retry_after=self.config.retry_after_s)
 
-    async def wait_for_admission(self, request: web.Request, stream: bool) -> web.StreamResponse | None:
+    async def wait_for_admission(self, request: web.Request, stream: bool, cells: int) -> web.StreamResponse | None:
         """Queue while the gate holds; a streaming client waiting past the grace period gets
         SSE headers and heartbeats, so neither it nor a reverse proxy in between times out."""
-        if self.queue.queued == 0 and self.gate.take():
+        if self.queue.queued == 0 and self.gate.take(cells):
             return None
         self.metrics.queued.inc()
-        admit = asyncio.ensure_future(self.queue.admit())
+        admit = asyncio.ensure_future(self.queue.admit(cells))
         try:
             prepared: web.StreamResponse | None = None
             deadline = time.monotonic() + self.config.queue_grace_s

@@ -77,6 +77,9 @@ def _retry_after(headers: Any) -> float | None:
         return None
 
 
+KEEPALIVE_S = 1.0
+
+
 class UpstreamClient:
     """``GET /kv``, ``GET /slots``, ``GET /health``, ``GET /metrics``, park and resume."""
 
@@ -98,9 +101,11 @@ class UpstreamClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # no keep-alive: llama-server closes idle connections, and a reused one fails on its first write
+            # keep-alive, so a poll every 50 ms does not cost the server an accept and a handshake each; an
+            # idle connection is dropped after KEEPALIVE_S, well before llama-server (cpp-httplib) closes it
+            # at 5 s, so a reused connection is never one the server has just closed
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True), timeout=self._timeout
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=4), timeout=self._timeout
             )
         return self._session
 
@@ -124,6 +129,8 @@ class UpstreamClient:
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:
+            # aiohttp sends an idempotent request (GET) once more when a kept-alive connection was closed under
+            # it; a park or resume is never sent twice
             async with self.session.request(method, url, data=data, headers=headers) as resp:
                 payload = await resp.read()
                 if resp.status >= 400:

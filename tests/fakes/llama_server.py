@@ -30,6 +30,7 @@ class Seen:
     query: dict[str, str]
     headers: dict[str, str]
     body: bytes
+    peer: Any = None  # the client's (host, port): which connection it came on
 
 
 def kv_body(n_cells: int = 1000, slots: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
@@ -101,7 +102,14 @@ class FakeLlamaServer:
 
     async def _record(self, request: web.Request) -> None:
         self.seen.append(
-            Seen(request.method, request.path, dict(request.query), dict(request.headers), await request.read())
+            Seen(
+                request.method,
+                request.path,
+                dict(request.query),
+                dict(request.headers),
+                await request.read(),
+                request.transport.get_extra_info("peername") if request.transport else None,
+            )
         )
 
     async def _answer(self, request: web.Request, route: str, default: Reply) -> web.StreamResponse:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
+from controller.proxy.app import estimate_prompt_cells
 
 
 def test_a_gate_never_updated_admits_everything() -> None:
@@ -75,3 +76,55 @@ async def test_a_waiter_that_timed_out_does_not_use_up_an_admission() -> None:
     await asyncio.wait_for(first, 1)
     assert gate.allowance == 0
     await queue.close()
+
+
+def test_a_prompt_larger_than_the_room_below_high_waits_unless_the_pool_is_empty() -> None:
+    gate = AdmissionGate()
+    gate.update(None, 8, room_cells=1000)
+    assert not gate.take(1000), "1000 cells and its first step would reach HIGH"
+    assert gate.take(600) and gate.room_cells == 399
+    assert not gate.take(400) and gate.take(398)
+    gate.update(None, 8, room_cells=100, empty=True)
+    assert gate.take(5000), "nothing resident: the pool is all its own"
+    assert not gate.take(10), "the next one sees the first one's cells"
+
+
+def test_cells_admitted_after_the_snapshot_come_off_its_room() -> None:
+    gate = AdmissionGate()
+    asked = time.monotonic()
+    gate.update(None, 8, room_cells=2000)
+    assert gate.take(700)
+    gate.update(None, 8, as_of=asked, room_cells=2000, empty=True)
+    assert gate.room_cells == 2000 - 701 and gate.allowance == 7
+    assert not gate.take(1500), "not empty any more: the request admitted since is on its way"
+
+
+async def test_a_large_prompt_at_the_head_holds_back_smaller_ones_behind_it() -> None:
+    gate = AdmissionGate()
+    gate.update(None, 8, room_cells=100)
+    queue = AdmissionQueue(gate, depth=10, timeout_s=10)
+    big = asyncio.create_task(queue.admit(500))
+    await asyncio.sleep(0)
+    small = asyncio.create_task(queue.admit(10))
+    await asyncio.sleep(0.01)
+    assert not big.done() and not small.done(), "first come, first served: the big one is not starved"
+    gate.update(None, 8, room_cells=600)
+    await asyncio.wait_for(asyncio.gather(big, small), 1)
+    await queue.close()
+
+
+@pytest.mark.parametrize(
+    ("route", "payload", "cells"),
+    [
+        ("/completion", {"prompt": [1, 2, 3, 4]}, 4),
+        ("/completion", {"prompt": "x" * 300}, 100),
+        ("/completion", {"prompt": "é" * 30}, 20),  # 60 bytes of UTF-8
+        ("/v1/completions", {"prompt": ["abc", [1, 2]]}, 3),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 30}]}, 18),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]}, 9),
+        ("/v1/chat/completions", {"messages": "not a list"}, 0),
+        ("/completion", {"prompt": None}, 0),
+    ],
+)
+def test_prompt_cells_are_estimated_before_tokenizing(route: str, payload: dict[str, object], cells: int) -> None:
+    assert estimate_prompt_cells(route, payload) == cells

@@ -345,8 +345,10 @@ def test_admission_allowance_is_how_many_reserved_requests_fit_below_high() -> N
     empty = kv(1000, [S("idle", 900)])  # an idle slot's cells are a cache: they do not count
     a = admission(PolicyInput(empty, NOW), CFG, 100)
     assert a.allowance == 9  # 9 x (100 + 1) = 909 < 940; 10 would reach HIGH
+    assert a.room_cells == 939 and a.empty
     busy = kv(1000, [S("generating", 800, t_arrival_ms=1)])  # 800 + 1 of its next step
     assert admission(PolicyInput(busy, NOW), CFG, 60).allowance == 2  # 801 + 2 x 61 = 923 < 940
+    assert admission(PolicyInput(busy, NOW), CFG, 60).room_cells == 138  # 801 + 138 = 939 < 940
     assert admission(PolicyInput(busy, NOW), CFG, 200).allowance == 0
     # a request larger than the reserve still starts on an empty pool
     assert admission(PolicyInput(kv(1000, []), NOW), CFG, 5000).allowance == 1

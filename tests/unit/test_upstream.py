@@ -142,3 +142,24 @@ async def test_a_base_path_prefix_is_kept(fake: FakeLlamaServer) -> None:
         assert fake.seen[-1].path == "/slots/3" and fake.seen[-1].query == {"action": "park"}
     finally:
         await server.close()
+
+
+async def test_polls_reuse_one_connection(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    for _ in range(5):
+        await client.get_kv()
+    peers = {s.peer for s in fake.seen}
+    assert len(peers) == 1, "a poll every 50 ms must not cost the server a new connection each"
+
+
+async def test_a_read_on_a_connection_the_server_just_closed_is_sent_again_once(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    fake.queue("GET /kv", Reply(drop=True))
+    assert (await client.get_kv()).n_cells == 1000
+    fake.queue("GET /kv", Reply(drop=True), Reply(drop=True))
+    with pytest.raises(UpstreamUnavailable):
+        await client.get_kv()
+    fake.queue("POST park", Reply(drop=True))
+    with pytest.raises(UpstreamUnavailable):
+        await client.park(0, 7)  # not a read: never sent twice
+    assert sum(1 for s in fake.seen if s.method == "POST") == 1
