@@ -1,6 +1,6 @@
 """Cost when parking never fires: paired A/B throughput with confidence intervals.
 
-    python -m bench.overhead [--pairs 100] [--n-predict 256] [--model bench] [--no-pin] [--shared-core]
+    python -m bench.overhead [--pairs 150] [--n-predict 256] [--model bench] [--no-pin] [--shared-core]
 
 (a) the patched server against the unpatched one, both direct (the seed's comparison);
 (b) the whole stack (patched server behind kvctl's proxy, the controller polling) against the
@@ -120,7 +120,7 @@ def chunk_gaps(res: list[Timed]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=100, help="alternating A/B pairs per row (a pair's spread is ~2 %%)")
+    ap.add_argument("--pairs", type=int, default=150, help="alternating A/B pairs per row (a pair's spread is ~2 %%)")
     ap.add_argument(
         "--shared-core", action="store_true", help="add a row with kvctl and the client on the server's core"
     )

@@ -151,7 +151,6 @@ def simulate(
                     out.waits.append(step - r.parked_since)
                     r.parked_total += step - r.parked_since
                     r.state, r.cells, r.parked_since = SlotState.GENERATING, r.parked_cells, None
-                    history[r.i] = replace(history.get(r.i, TaskHistory()), resumed_ms=step * STEP_MS)
                 else:  # END: cannot fit the pool even alone
                     r.done = True
             verdict = admission(PolicyInput(kv, step * STEP_MS, history), cfg, RESERVE)

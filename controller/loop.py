@@ -440,8 +440,9 @@ class ControlLoop:
     def _resumed(
         self, r: ResumeResult, reason: Reason, dt: float, fields: dict[str, object], waited_ms: int | None
     ) -> None:
-        old = self.state.history.get(r.id_task, TaskHistory())
-        self.state.history[r.id_task] = replace(old, pinned=False, resumed_ms=self._clock_ms())
+        old = self.state.history.get(r.id_task)
+        if old is not None and old.pinned:
+            self.state.history[r.id_task] = replace(old, pinned=False)
         self.state.resumes += 1
         self.metrics.resumes.labels(reason=str(reason)).inc()
         self.metrics.resume_seconds.observe(dt)

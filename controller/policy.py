@@ -19,9 +19,8 @@ before a resume lacks room.
   longest-waiting, passing over what does not fit) is the ``seed`` option.
 * No request waits forever: when nothing is resident, the head is restored if it fits the pool
   alone; when the head has waited longer than ``max_wait``, it is restored below HIGH, LOW
-  notwithstanding, parking newer requests to make room if it must, and the largest request too once
-  its turn has lasted as long as the head has starved beyond ``max_wait`` (see ``_may_yield``). A
-  request that cannot fit the pool even alone is ended.
+  notwithstanding, parking newer requests to make room if it must (never the largest: someone must
+  be able to finish). A request that cannot fit the pool even alone is ended.
 """
 
 from __future__ import annotations
@@ -105,8 +104,6 @@ class TaskHistory:
     """Times this controller parked it."""
     pinned: bool = False
     """Parked by hand: the policy leaves it parked until it is resumed by hand."""
-    resumed_ms: int | None = None
-    """When this controller last resumed it (the clock of ``PolicyInput.now_ms``)."""
 
     def parked(self) -> TaskHistory:
         """The history after one more park by this controller."""
@@ -316,7 +313,6 @@ class _Plan:
     residents: list[Slot]
     actions: list[Action] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
-    yielding: Slot | None = None  # the largest request, giving way to a starving one: parked first
 
     def history(self, slot: Slot) -> TaskHistory:
         return self.inp.history.get(_task(slot), TaskHistory())
@@ -327,8 +323,7 @@ class _Plan:
     def victims(self) -> list[Slot]:
         """Park candidates in order: never parked before first, then newest first."""
         cands = [s for s in self.residents if s.state is SlotState.GENERATING and s.id_task is not None]
-        yielding = self.yielding.id if self.yielding is not None else None
-        return sorted(cands, key=lambda s: (s.id != yielding, self.parked_before(s), -_arrival(s), -_task(s), -s.id))
+        return sorted(cands, key=lambda s: (self.parked_before(s), -_arrival(s), -_task(s), -s.id))
 
     def park_until(self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool) -> bool:
         """Park victims in order until ``done()``. With ``all_or_nothing``, nothing is planned unless it gets there."""
@@ -481,36 +476,9 @@ def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
         return slot.cells <= plan.pool.free() and plan.pool.ratio(slot.cells, step) < high
 
     if not fits() and not plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True):
-        # the largest request is spared so that someone always finishes; but when only parking it makes
-        # room and it has run max_wait since its last resume, a request that waited max_wait takes its
-        # turn (round robin with a max_wait quantum: each runs at least max_wait before it gives way), so
-        # nobody waits much longer than max_wait while both fit the pool
-        big = plan.protected
-        if big is None or not _may_yield(plan, big, waited):
-            return False
-        plan.protected, plan.yielding = None, big
-        made = plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True)
-        plan.protected, plan.yielding = big, None
-        if not made:
-            return False
+        return False
     _resume(plan, slot, Reason.STARVATION, waited)
     return True
-
-
-def _may_yield(plan: _Plan, slot: Slot, head_waited: int) -> bool:
-    """Whether the largest request may give way to a starving head.
-
-    Its snapshot must fit back below LOW on its own (so it is restored in turn like any other, not
-    only into an empty pool), and its turn must have lasted as long as the head has waited beyond
-    max_wait, up to max_wait: a request that has just been resumed keeps its turn against a head
-    that only now starves, but not against one that has starved for a while.
-    """
-    since = plan.history(slot).resumed_ms
-    if since is None:
-        since = slot.t_arrival_ms if slot.t_arrival_ms is not None else plan.inp.now_ms
-    ran = plan.inp.now_ms - since
-    turn = min(plan.cfg.max_wait_ms, head_waited - plan.cfg.max_wait_ms)
-    return ran >= turn and slot.cells + _step_cells(slot) <= plan.cfg.low * plan.pool.capacity()
 
 
 def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admission:

@@ -211,8 +211,8 @@ class PolicySettings(_Group):
 
     max_wait_s: float = Field(default=30.0, gt=0)
     """Seconds the head of the restore order may wait before it is restored above LOW (up to HIGH, parking newer
-    requests to make room if needed, and the largest once its turn has lasted that long). Long enough that rotation
-    costs little, short enough that no chat stalls noticeably longer than a slow tool call."""
+    requests to make room if needed). Long enough that rotation costs little, short enough that no chat stalls
+    noticeably longer than a slow tool call."""
 
     gpu_free_floor_mib: int = Field(default=256, ge=0)
     """With a GPU: free device memory (MiB, NVML) under this counts as pressure and holds restores back. 256 MiB

@@ -284,20 +284,11 @@ def test_a_starving_head_is_restored_below_high_and_room_is_made_for_it() -> Non
         (ActionKind.PARK, 1, Reason.MAKE_ROOM),
         (ActionKind.RESUME, 2, Reason.STARVATION),
     ]
-    # only parking the largest makes room: it gives way once its turn has lasted as long as the head
-    # has starved (31 s waited: 1 s beyond max_wait)
+    # no permitted park makes room: nothing is done at all
     slots[0] = replace(slots[0], n_cells=600)
-    d = run(kv(1000, slots), history={100: TaskHistory(resumed_ms=NOW - 500)})
-    assert d.actions == (), "it was resumed 0.5 s ago: it keeps its turn"
-    assert any(s.reason is SkipReason.NO_ROOM for s in d.skipped)
-    d = run(kv(1000, slots), history={100: TaskHistory(resumed_ms=NOW - 1_000)})
-    assert [(a.kind, a.slot, a.reason) for a in d.actions] == [
-        (ActionKind.PARK, 0, Reason.MAKE_ROOM),
-        (ActionKind.RESUME, 2, Reason.STARVATION),
-    ]
-    # never when its snapshot could not come back below HIGH on its own
-    d = run(kv(1000, [replace(slots[0], n_cells=939), slots[2]]))
+    d = run(kv(1000, slots))
     assert d.actions == ()
+    assert any(s.reason is SkipReason.NO_ROOM for s in d.skipped)
 
 
 def test_pinned_requests_stay_parked_and_do_not_block_others() -> None:
@@ -590,7 +581,6 @@ class Sim:
                 if r.cells > self.n - self.used():
                     return  # 503: not enough free cells; the rest of the decision is dropped
                 r.parked = False
-                self.history[r.task] = replace(self.history.get(r.task, TaskHistory()), resumed_ms=self.now)
             else:
                 self.ended.append(r.task)
                 del self.slots[a.slot]
