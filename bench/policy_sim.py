@@ -51,6 +51,11 @@ class _Req:
     done: bool = False
     started: bool = False
 
+    def park(self, step: int) -> None:
+        """Its cells go to a host snapshot, as the server's park does."""
+        self.state, self.parked_cells, self.cells = SlotState.PARKED, self.cells, 0
+        self.parked_since, self.parks = step, self.parks + 1
+
 
 @dataclass
 class Outcome:
@@ -142,8 +147,7 @@ def simulate(
             for a in d.actions:
                 r = rs[by_slot[a.slot]]  # type: ignore[index]
                 if a.kind is ActionKind.PARK:
-                    r.state, r.parked_cells, r.cells = SlotState.PARKED, r.cells, 0
-                    r.parked_since, r.parks = step, r.parks + 1
+                    r.park(step)
                     history[r.i] = history.get(r.i, TaskHistory()).parked()
                     out.parks += 1
                 elif a.kind is ActionKind.RESUME:
@@ -185,8 +189,7 @@ def simulate(
             # the decode would not fit: the server's safety net parks the newest generating request
             out.overflows += 1
             victim = max((r for r in rs if r.state is SlotState.GENERATING), key=lambda r: r.t_arrival)
-            victim.state, victim.parked_cells, victim.cells = SlotState.PARKED, victim.cells, 0
-            victim.parked_since, victim.parks = step, victim.parks + 1
+            victim.park(step)
         for r in rs:
             if r.state is SlotState.GENERATING and r.decoded >= r.spec.n_predict:
                 r.done, r.state, r.cells = True, SlotState.IDLE, 0

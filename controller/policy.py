@@ -358,13 +358,12 @@ class _Plan:
         return done()
 
 
-def _restore_order(plan: _Plan, waiting: list[Slot]) -> list[Slot]:
+def _restore_order(cfg: PolicyConfig, waiting: list[Slot]) -> list[Slot]:
     def since(s: Slot) -> int:
         return s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
 
-    if plan.cfg.order is RestoreOrder.SEED:
+    if cfg.order is RestoreOrder.SEED:
         return sorted(waiting, key=lambda s: (-s.park.count, since(s), _task(s), s.id))
-
     return sorted(waiting, key=lambda s: (since(s), _task(s), s.id))
 
 
@@ -411,7 +410,7 @@ def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
             waiting.append(s)
     blocked = False
     head_seen = False
-    for s in _restore_order(plan, waiting):
+    for s in _restore_order(cfg, waiting):
         task = _task(s)
         waited = inp.now_ms - s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
         if s.cells + 1 > plan.pool.capacity():
