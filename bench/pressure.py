@@ -8,7 +8,9 @@ Bands of context size x workload mix x mode, measured side by side in one run:
   kvctl       the patched server with kvctl's controller (and proxy) in front, its safety net off
   kvctl-seed  the same with the seed's restore order (most-parked, then longest-waiting)
 Per cell: completed/total, errors, parks, max and p99 parked wait, time to first token p50/p99,
-aggregate tokens/s and per-request slowdown against the same request run solo.
+aggregate tokens/s, per-request slowdown against the same request run solo, and a digest of the
+schedule (which requests were parked and resumed, in what order): where kvctl and kvctl-seed show
+the same digest, the two orders made the same decisions and their waits differ by the machine alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import sys
 import time
 from collections.abc import Iterator
@@ -103,6 +106,23 @@ async def run_cell(url: str, reqs: list[Req], metrics_url: str | None) -> tuple[
         return list(results), wall, await parks(s, metrics_url) - parks0
 
 
+def schedule(results: list[Timed], gap_s: float = 0.025) -> str:
+    """The order in which requests were parked and resumed, as a short digest: two runs with the same digest made
+    the same decisions, so a difference in their waits is the machine's speed, not the policy. Events closer than
+    ``gap_s`` (one controller poll carries out its actions within milliseconds; polls are 50 ms apart) form one
+    unordered group."""
+    events = sorted((t, i, kind) for i, r in enumerate(results) for t, kind in r.events)
+    groups: list[list[str]] = []
+    last = -1.0
+    for t, i, kind in events:
+        if not groups or t - last > gap_s:
+            groups.append([])
+        groups[-1].append(f"{kind[0]}{i}")
+        last = t
+    text = "|".join(",".join(sorted(g)) for g in groups)
+    return hashlib.sha1(text.encode()).hexdigest()[:8] if text else "-"
+
+
 async def parks(s: aiohttp.ClientSession, metrics_url: str | None) -> float:
     if metrics_url is None:
         return 0.0
@@ -183,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         sum(r.n_tokens for r in done) / wall,
                         pct(slow, 0.5),
                         max(slow, default=float("nan")),
+                        schedule(results),
                     )
                 )
                 print(rows[-1], flush=True)
@@ -201,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             "tok/s",
             "slowdown p50",
             "slowdown max",
+            "schedule",
         ],
         rows,
     )

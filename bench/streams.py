@@ -22,6 +22,8 @@ class Timed:
     t_first: float | None = None
     t_end: float = 0.0
     parked_waits: list[float] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)
+    """(monotonic time, "parked" or "resumed") as the stream reported them."""
     content: str = ""
     tokens: list[int] = field(default_factory=list)
 
@@ -53,6 +55,8 @@ async def timed_stream(
             async for ev in sse_events(resp):
                 now = time.monotonic()
                 for c in ev.comments:
+                    if c in ("parked", "resumed"):
+                        res.events.append((now, c))
                     if c == "parked":
                         t_parked = now
                     elif c == "resumed" and t_parked is not None:

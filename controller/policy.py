@@ -14,9 +14,11 @@ before a resume lacks room.
   candidate exists; never the largest resident request; never one whose snapshot would exceed
   the remaining snapshot budget or the host-RAM headroom.
 * Restore while the projection after restoring (the request's cells, its next-step cells and a
-  margin) stays at or below LOW. Default order: head-of-line by park time (``fifo``), so a later
-  request never overtakes the longest-waiting one. The seed's order (most-parked, then
-  longest-waiting, passing over what does not fit) is the ``seed`` option.
+  margin) stays at or below LOW. Default order (``aging``): the seed's order (most-parked first, then
+  longest-waiting, passing over what does not fit), except that requests parked for half of
+  ``max_wait`` or longer go ahead of the others. A request parked again soon after its resume
+  comes back first, as in the seed; one that has waited long is not kept behind it. ``seed`` is
+  the seed's order alone; ``fifo`` is head-of-line by park time (nobody overtakes the head).
 * No request waits forever: when nothing is resident, the head is restored if it fits the pool
   alone; when the head has waited longer than ``max_wait``, it is restored below HIGH, LOW
   notwithstanding, parking newer requests to make room if it must (never the largest: someone must
@@ -117,7 +119,7 @@ class PolicyConfig:
     budget_bytes: int = 8192 * MiB
     host_reserve_bytes: int = 1024 * MiB
     margin_cells: int = 16
-    order: RestoreOrder = RestoreOrder.FIFO
+    order: RestoreOrder = RestoreOrder.AGING
     max_wait_ms: int = 30_000
     gpu_floor_bytes: int = 256 * MiB
 
@@ -358,13 +360,18 @@ class _Plan:
         return done()
 
 
-def _restore_order(cfg: PolicyConfig, waiting: list[Slot]) -> list[Slot]:
+def _restore_order(cfg: PolicyConfig, waiting: list[Slot], now_ms: int) -> list[Slot]:
     def since(s: Slot) -> int:
         return s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
 
+    if cfg.order is RestoreOrder.FIFO:
+        return sorted(waiting, key=lambda s: (since(s), _task(s), s.id))
     if cfg.order is RestoreOrder.SEED:
         return sorted(waiting, key=lambda s: (-s.park.count, since(s), _task(s), s.id))
-    return sorted(waiting, key=lambda s: (since(s), _task(s), s.id))
+    # aging: the seed's order, but whoever has waited half of max_wait goes first; the seed's order alone
+    # keeps a request parked once behind others parked again and again until it starves
+    aged = now_ms - cfg.max_wait_ms // 2
+    return sorted(waiting, key=lambda s: (since(s) > aged, -s.park.count, since(s), _task(s), s.id))
 
 
 def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
@@ -410,7 +417,7 @@ def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
             waiting.append(s)
     blocked = False
     head_seen = False
-    for s in _restore_order(cfg, waiting):
+    for s in _restore_order(cfg, waiting, inp.now_ms):
         task = _task(s)
         waited = inp.now_ms - s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
         if s.cells + 1 > plan.pool.capacity():

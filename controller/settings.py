@@ -176,6 +176,9 @@ class AdminSettings(_Group):
 class RestoreOrder(StrEnum):
     """Which parked request is restored first."""
 
+    AGING = "aging"
+    """The seed's order with aging: requests parked for half of `max_wait_s` or longer go first; within each group,
+    most-parked first, then longest-waiting; a request that does not fit is passed over."""
     FIFO = "fifo"
     """Head-of-line by park time: a later request never overtakes the one parked longest, so every wait is bounded."""
     SEED = "seed"
@@ -206,8 +209,10 @@ class PolicySettings(_Group):
     """Cells added to a restored request's own cells and next-step cells when checking LOW: a few decode steps of
     growth before the next poll sees it."""
 
-    restore_order: RestoreOrder = RestoreOrder.FIFO
-    """`fifo` (default; bounds every wait) or `seed` (most-parked, then longest-waiting; for comparison)."""
+    restore_order: RestoreOrder = RestoreOrder.AGING
+    """`aging` (default): the seed's order (most-parked, then longest-waiting), except that a request parked for half
+    of `max_wait_s` goes ahead of those parked more recently. `seed`: the seed's order alone. `fifo`: head-of-line by
+    park time; a later request never overtakes the one parked longest."""
 
     max_wait_s: float = Field(default=30.0, gt=0)
     """Seconds the head of the restore order may wait before it is restored above LOW (up to HIGH, parking newer

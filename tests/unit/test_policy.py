@@ -222,9 +222,9 @@ def test_fifo_is_head_of_line_and_seed_order_passes_over() -> None:
         S("parked", 600, parked_since_ms=NOW - 20, park_count=1),  # the head: does not fit below LOW
         S("parked", 100, parked_since_ms=NOW - 10, park_count=2),  # fits, but must not overtake (fifo)
     ]
-    assert resumed_slots(run(kv(1000, slots))) == []
-    d = run(kv(1000, slots), replace(CFG, order=RestoreOrder.SEED))
-    assert resumed_slots(d) == [2]
+    assert resumed_slots(run(kv(1000, slots), replace(CFG, order=RestoreOrder.FIFO))) == []
+    for order in (RestoreOrder.SEED, RestoreOrder.AGING):
+        assert resumed_slots(run(kv(1000, slots), replace(CFG, order=order))) == [2]
 
 
 def test_seed_order_is_most_parked_then_longest_waiting() -> None:
@@ -236,8 +236,27 @@ def test_seed_order_is_most_parked_then_longest_waiting() -> None:
     ]
     d = run(kv(1000, slots), replace(CFG, order=RestoreOrder.SEED))
     assert resumed_slots(d) == [2, 1, 0]
-    d = run(kv(1000, slots))
+    assert resumed_slots(run(kv(1000, slots))) == [2, 1, 0], "aging: nobody has waited half of max_wait"
+    d = run(kv(1000, slots), replace(CFG, order=RestoreOrder.FIFO))
     assert resumed_slots(d) == [0, 2, 1]
+
+
+def test_aging_puts_whoever_waited_half_of_max_wait_ahead_of_the_most_parked() -> None:
+    half = CFG.max_wait_ms // 2
+    slots = [
+        S("generating", 500, t_arrival_ms=1),
+        S("parked", 200, parked_since_ms=NOW - half + 1, park_count=3),  # parked again and again, not for long
+        S("parked", 200, parked_since_ms=NOW - half, park_count=1),  # parked once, half of max_wait ago
+    ]
+    # room below LOW for one of the two: the seed's order restores the most-parked, aging the long waiter
+    assert resumed_slots(run(kv(1000, slots), replace(CFG, order=RestoreOrder.SEED))) == [1]
+    d = run(kv(1000, slots))
+    assert resumed_slots(d) == [2]
+    assert d.resumes[0].waited_ms == half
+    # among the aged, the seed's order again: most-parked first
+    older = [*slots, S("parked", 200, parked_since_ms=NOW - half - 5000, park_count=1)]
+    older[1] = S("parked", 200, parked_since_ms=NOW - half - 1, park_count=3)
+    assert resumed_slots(run(kv(1000, older))) == [1]
 
 
 def test_nothing_resident_restores_the_head_above_low() -> None:

@@ -24,7 +24,7 @@ def test_defaults_are_the_issue_s() -> None:
     assert str(s.upstream.url) == "http://127.0.0.1:8081/"
     assert (s.proxy.listen, s.admin.listen) == ("127.0.0.1:8080", "127.0.0.1:8091")
     assert s.loop.poll_interval_s == 0.05
-    assert s.policy.restore_order is RestoreOrder.FIFO
+    assert s.policy.restore_order is RestoreOrder.AGING
     assert s.upstream.api_key is None
 
 
@@ -63,7 +63,7 @@ INVALID = [
     ({"policy": {"gpu_free_floor_mib": -5}}, "policy.gpu_free_floor_mib", "greater than or equal to 0"),
     ({"policy": {"restore_margin_cells": -1}}, "policy.restore_margin_cells", "greater than or equal to 0"),
     ({"policy": {"max_wait_s": 0}}, "policy.max_wait_s", "greater than 0"),
-    ({"policy": {"restore_order": "lifo"}}, "policy.restore_order", "'fifo' or 'seed'"),
+    ({"policy": {"restore_order": "lifo"}}, "policy.restore_order", "'aging', 'fifo' or 'seed'"),
     ({"upstream": {"url": "ftp://host:1"}}, "upstream.url", "scheme"),
     ({"upstream": {"url": "not a url"}}, "upstream.url", "URL"),
     ({"upstream": {"timeout_s": 0}}, "upstream.timeout_s", "greater than 0"),
