@@ -21,7 +21,6 @@ class Timed:
     t_start: float = 0.0
     t_first: float | None = None
     t_end: float = 0.0
-    parked_waits: list[float] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
     """(monotonic time, "parked" or "resumed") as the stream reported them."""
     content: str = ""
@@ -35,6 +34,19 @@ class Timed:
     def duration(self) -> float:
         return self.t_end - self.t_start
 
+    @property
+    def parked_waits(self) -> list[float]:
+        """Seconds from each ``parked`` to the ``resumed`` that follows it."""
+        waits: list[float] = []
+        t_parked: float | None = None
+        for t, kind in self.events:
+            if kind == "parked":
+                t_parked = t
+            elif t_parked is not None:
+                waits.append(t - t_parked)
+                t_parked = None
+        return waits
+
 
 async def timed_stream(
     session: aiohttp.ClientSession,
@@ -45,7 +57,6 @@ async def timed_stream(
 ) -> Timed:
     """Stream one request; ``on_chunk(n)`` is called with the number of content chunks so far."""
     res = Timed(t_start=time.monotonic())
-    t_parked: float | None = None
     n_chunks = 0
     try:
         async with session.post(url + path, json={"stream": True, **payload}) as resp:
@@ -57,11 +68,6 @@ async def timed_stream(
                 for c in ev.comments:
                     if c in ("parked", "resumed"):
                         res.events.append((now, c))
-                    if c == "parked":
-                        t_parked = now
-                    elif c == "resumed" and t_parked is not None:
-                        res.parked_waits.append(now - t_parked)
-                        t_parked = None
                 if ev.data is None or ev.data == "[DONE]":
                     continue
                 chunk = json.loads(ev.data)

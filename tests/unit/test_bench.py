@@ -10,10 +10,29 @@ from pathlib import Path
 import pytest
 
 from bench.policy_sim import simulate
-from bench.pressure import workloads
+from bench.pressure import schedule, workloads
+from bench.streams import Timed
 from controller.settings import RestoreOrder
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parked_waits_pair_each_park_with_the_resume_after_it() -> None:
+    r = Timed(events=[(1.0, "resumed"), (2.0, "parked"), (5.5, "resumed"), (7.0, "parked"), (8.0, "resumed")])
+    assert r.parked_waits == [3.5, 1.0]
+    assert Timed(events=[(2.0, "parked")]).parked_waits == []
+
+
+def test_schedule_digest_tells_decisions_apart_not_timings() -> None:
+    def run(t0: float, step: float, first: int) -> list[Timed]:
+        a, b = Timed(), Timed()
+        (a if first == 0 else b).events += [(t0, "parked"), (t0 + 3 * step, "resumed")]
+        (b if first == 0 else a).events += [(t0 + 0.001, "parked"), (t0 + 5 * step, "resumed")]
+        return [a, b]
+
+    assert schedule(run(10.0, 1.0, 0)) == schedule(run(50.0, 1.4, 0)), "same decisions, another machine speed"
+    assert schedule(run(10.0, 1.0, 0)) != schedule(run(10.0, 1.0, 1)), "the other request resumed first"
+    assert schedule([Timed(), Timed()]) == "-"
 
 
 @pytest.mark.parametrize("name", ["equal-long", "mixed", "late-prompts", "full-ctx"])
