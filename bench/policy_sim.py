@@ -30,7 +30,9 @@ from bench.pressure import Req, workloads
 from controller.policy import ActionKind, PolicyConfig, PolicyInput, TaskHistory, admission, decide
 from controller.proxy.admission import AdmissionGate
 from controller.settings import PolicySettings, RestoreOrder
-from controller.upstream.models import KvSnapshot, Lease, NextStep, ParkInfo, Slot, SlotState
+from controller.upstream.models import KvSnapshot, SlotState
+from tests.unit.snapshots import S
+from tests.unit.snapshots import kv as build_kv
 
 STEP_MS = 3  # one decode step of the tiny model on one core, for the policy's clock only
 RESERVE = 512  # proxy.admission_reserve_cells
@@ -48,7 +50,6 @@ class _Req:
     parks: int = 0
     parked_since: int | None = None
     parked_cells: int = 0
-    parked_total: int = 0  # steps parked in earlier episodes
     done: bool = False
     started: bool = False
 
@@ -85,57 +86,21 @@ def simulate(
         return sum(r.cells for r in rs if r.state in (SlotState.PROMPT, SlotState.GENERATING))
 
     def snapshot() -> KvSnapshot:
-        slots = []
-        for r in rs:
-            if r.state is SlotState.IDLE or r.done:
-                continue
-            parked = r.state is SlotState.PARKED
-            slots.append(
-                Slot(
-                    id=len(slots),
-                    id_task=r.i,
-                    state=r.state,
-                    n_cells=0 if parked else r.cells,
-                    n_prompt=r.spec.n_prompt,
-                    n_decoded=r.decoded,
-                    t_arrival_ms=r.t_arrival * STEP_MS,
-                    park=ParkInfo(
-                        count=r.parks,
-                        bytes=r.parked_cells if parked else 0,
-                        n_cells=r.parked_cells if parked else None,
-                        t_parked_total_ms=(
-                            r.parked_total + (step - r.parked_since if r.parked_since is not None else 0)
-                        )
-                        * STEP_MS,
-                        parked_since_ms=r.parked_since * STEP_MS if parked and r.parked_since is not None else None,
-                    ),
-                )
+        """What the server's /kv would report now, built by the policy tests' own snapshot builder."""
+        live = [
+            S(
+                r.state.value,
+                r.parked_cells if r.state is SlotState.PARKED else r.cells,
+                id_task=r.i,
+                t_arrival_ms=r.t_arrival * STEP_MS,
+                park_count=r.parks,
+                parked_since_ms=r.parked_since * STEP_MS if r.parked_since is not None else None,
+                n_prompt_left=r.prompt_left,
             )
-        n_gen = sum(1 for s in slots if s.state is SlotState.GENERATING)
-        n_prompt = min(sum(r.prompt_left for r in rs if r.state is SlotState.PROMPT), max(0, n_batch - n_gen))
-        u = used()
-        idle = n_slots - len(slots)
-        for _ in range(idle):
-            slots.append(
-                Slot(
-                    id=len(slots), state=SlotState.IDLE, n_cells=0, park=ParkInfo(count=0, bytes=0, t_parked_total_ms=0)
-                )
-            )
-        return KvSnapshot(
-            n_cells=n_ctx,
-            n_cells_used=u,
-            n_cells_free=n_ctx - u,
-            used_ratio=u / n_ctx,
-            source="exact",
-            bytes_per_cell=1,
-            next_step=NextStep(n_gen=n_gen, n_draft_max=0, n_prompt_max=n_prompt, n_total_max=n_gen + n_prompt),
-            n_slots=n_slots,
-            n_slots_idle=idle,
-            n_parked=sum(1 for s in slots if s.state is SlotState.PARKED),
-            parked_bytes=sum(r.parked_cells for r in rs if r.state is SlotState.PARKED),
-            lease=Lease(held=True, ttl_s=10, age_ms=0),
-            slots=tuple(slots),
-        )
+            for r in rs
+            if r.state is not SlotState.IDLE and not r.done
+        ]
+        return build_kv(n_ctx, live + [S("idle")] * (n_slots - len(live)), bytes_per_cell=1, n_batch=n_batch)
 
     def progress(j: int) -> int:
         return 1 << 62 if rs[j].done else rs[j].decoded
@@ -154,7 +119,6 @@ def simulate(
                 elif a.kind is ActionKind.RESUME:
                     assert r.parked_since is not None
                     out.waits.append(step - r.parked_since)
-                    r.parked_total += step - r.parked_since
                     r.state, r.cells, r.parked_since = SlotState.GENERATING, r.parked_cells, None
                 else:  # END: cannot fit the pool even alone
                     r.done = True
