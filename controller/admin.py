@@ -119,6 +119,7 @@ class _Admin:
     supervisor: Supervisor | None
     loop_alive: Callable[[], bool]
     readiness: Readiness
+    draining: Callable[[], bool] = lambda: False
     started: float = field(default_factory=time.monotonic)
     _above_high_since: float | None = None
 
@@ -155,6 +156,9 @@ class _Admin:
         if self.supervisor is not None and self.supervisor.status.state is not SupervisorState.READY:
             problems.append(f"supervised server {self.supervisor.status.state}")
             degraded = True
+        if self.draining():
+            problems.append("shutting down: new requests are refused while open ones finish")
+            ready = False
         return _Verdict(ready and self.loop_healthy(), degraded, problems)
 
     def loop_healthy(self) -> bool:
@@ -188,6 +192,7 @@ def make_admin_app(
     *,
     supervisor: Supervisor | None = None,
     loop_alive: Callable[[], bool] = lambda: True,
+    draining: Callable[[], bool] = lambda: False,
 ) -> web.Application:
     token = settings.admin.token.get_secret_value() if settings.admin.token is not None else None
 
@@ -220,6 +225,7 @@ def make_admin_app(
         supervisor,
         loop_alive,
         Readiness(settings.admin.unready_after_s, settings.admin.ready_after_s),
+        draining,
     )
     app[_ADMIN] = admin
     loop.add_poll_listener(admin.evaluate)  # readiness' timers follow every poll, not only probe calls

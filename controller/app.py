@@ -25,10 +25,11 @@ from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.probes import GpuProbe
 from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
-from controller.proxy.app import run_site
+from controller.proxy.app import PROXY_KEY, Proxy, run_site, tls_context
+from controller.proxy.routes import predict_route_from_env
 from controller.settings import LogFormat, LogSettings, Settings, split_host_port
 from controller.supervisor import Supervisor
-from controller.upstream import UpstreamClient
+from controller.upstream import UpstreamClient, UpstreamError
 
 __all__ = ["App", "configure_logging"]
 
@@ -75,6 +76,10 @@ def watchdog_interval_s() -> float:
     return int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else 10.0
 
 
+class RouterMode(Exception):
+    """The server is a router of several models; kvctl fronts one model's server."""
+
+
 class App:
     """Everything ``kvctl run`` starts; ``run()`` returns when ``stop`` is set or a root task fails."""
 
@@ -92,6 +97,9 @@ class App:
         self.admin_addresses: list[str] = []
         self.gate = AdmissionGate()
         self._proxy_cleanup: Callable[[], Awaitable[None]] | None = None
+        self.proxy: Proxy | None = None
+        self._started_monotonic = time.monotonic()
+        self._hung_reported = False
         self.started = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -100,6 +108,30 @@ class App:
 
     def _loop_alive(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
+
+    def _check_hung(self) -> None:
+        """After every poll: a server whose main loop has not answered /kv for proxy.upstream_read_timeout_s is hung
+        (its HTTP thread may still answer /health). Requests still waiting for its response end, and a spawned
+        server is killed, so the supervisor restarts it."""
+        limit = self.settings.proxy.upstream_read_timeout_s
+        since = self.loop.state.last_poll_monotonic
+        if self.supervisor is not None and self.supervisor.status.ready_since_unix is not None:
+            # a (re)started server's clock starts when it is ready, not at the last answer of the one before
+            ready_for = time.time() - self.supervisor.status.ready_since_unix
+            since = max(since or 0.0, time.monotonic() - ready_for)
+        silent = time.monotonic() - (since if since is not None else self._started_monotonic)
+        if self.loop.state.upstream_up or silent < limit:
+            self._hung_reported = False
+            return
+        if self.proxy is not None:
+            ended = self.proxy.end_waiting("timeout")
+            if ended:
+                log.error("proxy.ended_waiting_requests", count=ended, silent_s=round(silent, 1))
+        if self.supervisor is not None:
+            self.supervisor.kill_hung(f"/kv not answered for {silent:.0f} s")
+        elif not self._hung_reported:
+            log.error("upstream.hung", silent_s=round(silent, 1), error=self.loop.state.last_error)
+        self._hung_reported = True
 
     def _update_gate(self) -> None:
         """After every poll: what the policy says about new requests becomes the proxy's gate."""
@@ -132,15 +164,46 @@ class App:
             write_timeout_s=p.write_timeout_s,
             max_body_bytes=p.max_body_bytes,
             connect_timeout_s=self.settings.upstream.timeout_s,
+            upstream_read_timeout_s=p.upstream_read_timeout_s,
+            drain_s=p.drain_s,
+            api_keys=tuple(p.api_key_list()),
             expose_private_routes=p.expose_private_routes,
             retry_after_s=p.retry_after_s,
             reserve_cells=p.admission_reserve_cells,
+            predict_route=predict_route_from_env(),
         )
         self.loop.add_poll_listener(self._update_gate)
+        self.loop.add_poll_listener(self._check_hung)
         self.gate.on_wait = self.loop.poll_soon
         host, port = split_host_port(p.listen)
-        self._proxy_cleanup = await run_site(make_proxy_app(config, self.gate, self.metrics.registry), host, port)
-        log.info("proxy.started", listen=p.listen)
+        app = make_proxy_app(config, self.gate, self.metrics.registry)
+        self.proxy = app[PROXY_KEY]
+        tls = tls_context(
+            str(p.tls_cert_file) if p.tls_cert_file else None, str(p.tls_key_file) if p.tls_key_file else None
+        )
+        self._proxy_cleanup = await run_site(app, host, port, tls)
+        log.info(
+            "proxy.started",
+            listen=p.listen,
+            tls=tls is not None,
+            auth="kvctl keys" if config.api_keys else "server key" if config.upstream_api_key else "none",
+            keys=len(config.api_keys),
+        )
+
+    async def _refuse_router(self) -> None:
+        """A server in router mode (several models) has no /kv or parking of its own: each child has. Refuse it."""
+        while True:
+            try:
+                props = await self.client.props()
+            except UpstreamError:
+                await asyncio.sleep(1.0)
+                continue
+            if props.get("role") == "router":
+                raise RouterMode(
+                    "llama-server runs in router mode (several models): /kv and parking are per child, so kvctl "
+                    "must front each child server instead"
+                )
+            await asyncio.Event().wait()  # checked: nothing more to do
 
     async def _notify_systemd(self) -> None:
         """Type=notify: READY=1 once the proxy listens and a poll was answered, then WATCHDOG=1 while the loop runs."""
@@ -162,7 +225,13 @@ class App:
     async def run(self, stop: asyncio.Event) -> int:
         host, port = split_host_port(self.settings.admin.listen)
         runner = web.AppRunner(
-            make_admin_app(self.settings, self.loop, supervisor=self.supervisor, loop_alive=self._loop_alive),
+            make_admin_app(
+                self.settings,
+                self.loop,
+                supervisor=self.supervisor,
+                loop_alive=self._loop_alive,
+                draining=lambda: self.proxy is not None and self.proxy.draining,
+            ),
             handle_signals=False,
             access_log=None,
         )
@@ -191,6 +260,7 @@ class App:
                 log.error("proxy.listen_failed", listen=self.settings.proxy.listen, error=str(e))
                 return 1
             tasks["systemd notify"] = asyncio.create_task(self._notify_systemd(), name="systemd notify")
+            tasks["router check"] = asyncio.create_task(self._refuse_router(), name="router check")
             self.started.set()
             stopper = asyncio.create_task(stop.wait(), name="stop flag")
             done, _ = await asyncio.wait([stopper, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
@@ -200,13 +270,22 @@ class App:
                 if task in done:
                     # root tasks run until cancelled: one that ended is a bug, and the process goes down with it
                     exc = task.exception() if not task.cancelled() else None
+                    if isinstance(exc, RouterMode):
+                        log.error("kvctl.refused", reason=str(exc))
+                        code = 2
+                        continue
                     log.error("kvctl.task_ended", task=name, error=repr(exc) if exc else None)
                     code = 1
             return code
         finally:
             log.info("kvctl.stopping")
+            if self.proxy is not None:
+                # readiness turns 503 and new requests get 503 at once; open ones get proxy.drain_s to finish
+                t0 = time.monotonic()
+                ended = await self.proxy.drain()
+                log.info("proxy.drained", ended=ended, after_s=round(time.monotonic() - t0, 3))
             if self.supervisor is not None:
-                await self.supervisor.stop()
+                await self.supervisor.stop()  # the server last: the drain needed it
             for task in tasks.values():
                 task.cancel()
             for task in tasks.values():

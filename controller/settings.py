@@ -32,6 +32,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from controller.proxy.auth import ApiKey, KeyFileError, KeyRing, parse_key_entry, read_key_file
+
 __all__ = [
     "AdminSettings",
     "HostPort",
@@ -111,6 +113,22 @@ class UpstreamSettings(_Group):
     request timeout are checked against it, so that a struggling controller does not let the lease lapse."""
 
 
+class ApiKeyEntry(_Group):
+    """One of kvctl's API keys in table form."""
+
+    key: SecretStr
+    """The key clients send (`Authorization: Bearer KEY` or `X-Api-Key: KEY`)."""
+
+    name: str | None = None
+    """What logs and metrics show for requests with this key."""
+
+    priority: int | None = None
+    """The priority of this key's requests (read by a later release)."""
+
+    max_priority: int | None = None
+    """The highest priority this key's requests may ask for (read by a later release)."""
+
+
 class ProxySettings(_Group):
     """The client-facing reverse proxy: streams that survive parking, admission that protects running chats."""
 
@@ -133,16 +151,63 @@ class ProxySettings(_Group):
     write_timeout_s: float = Field(default=60.0, gt=0)
     """A client that accepts no bytes for this long is cut off, so a stalled reader cannot hold a slot."""
 
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
-    """Largest request body; a larger one gets 413."""
+    max_body_bytes: int = Field(default=100 * MiB, gt=0)
+    """Largest request body; a larger one gets 413. The default is the server's own limit (cpp-httplib's 100 MiB),
+    so kvctl refuses nothing the server would take."""
+
+    api_keys: list[SecretStr | ApiKeyEntry] = Field(default_factory=list)
+    """kvctl's own API keys: each a key string or a table `{key, name, priority, max_priority}` (`name` is what logs
+    and metrics show, by default `api_keys[N]`; the priorities are read by a later release). Set: every request but
+    `/health`, `/v1/health` and `OPTIONS` needs one, checked as llama-server checks its `--api-key`, and the server's
+    own key (`upstream.api_key`) goes in its place on the relayed request. Unset: a server with `upstream.api_key`
+    checks the client's own credentials before the request can queue."""
+
+    api_keys_file: Path | None = None
+    """More keys, one a line: `key [name]` (like llama-server's `--api-key-file`) or the table form as inline JSON;
+    blank lines and `#` comments are skipped. Read once at start."""
+
+    upstream_read_timeout_s: float = Field(default=60.0, gt=0)
+    """Once the server's response has started, a stream that receives no byte for this long ends with its
+    protocol's error event. Must exceed the server's `--sse-ping-interval` (a spawned server gets a third of this).
+    A request whose response has not started ends when kvctl's own poll of `/kv` has failed for this long, and a
+    spawned server whose main loop has not answered for this long is killed and restarted."""
+
+    drain_s: float = Field(default=15.0, ge=0)
+    """On SIGTERM: seconds open requests get to finish (new ones get 503) before the rest end with an error event and
+    a spawned server is stopped. systemd's `TimeoutStopSec` and Kubernetes' `terminationGracePeriodSeconds` must
+    cover this plus `supervisor.stop_timeout_s`."""
+
+    tls_cert_file: Path | None = None
+    """PEM certificate chain for TLS on the public listener; plain HTTP when unset."""
+
+    tls_key_file: Path | None = None
+    """PEM private key for `tls_cert_file` (unset: the key is in the certificate file)."""
 
     admission_reserve_cells: int = Field(default=512, ge=0)
     """The least a new request is assumed to need when admission checks the pool against HIGH: its prompt's
     estimate (exact for token ids, one token per 3 bytes of text) when larger, since it is not tokenized yet."""
 
     expose_private_routes: bool = False
-    """Pass /slots, /kv, /metrics and slot actions through the public listener. Off: a client could otherwise park
-    someone else's chat, read other users' requests or renew the controller's lease."""
+    """Pass `GET /slots`, `GET /kv` and `POST /slots/...` through the public listener. Off: a client could otherwise
+    park someone else's chat, read other users' requests or renew the controller's lease. The server's `/metrics`
+    is never relayed."""
+
+    def api_key_list(self) -> list[ApiKey]:
+        """`api_keys` and the entries of `api_keys_file`, parsed; KeyFileError names a bad entry (never its key)."""
+        out = []
+        for i, entry in enumerate(self.api_keys):
+            where = f"api_keys[{i}]"
+            if isinstance(entry, SecretStr):
+                out.append(parse_key_entry(entry.get_secret_value(), where))
+            else:
+                table = {"key": entry.key.get_secret_value(), "name": entry.name or where}
+                out.append(
+                    parse_key_entry({**table, "priority": entry.priority, "max_priority": entry.max_priority}, where)
+                )
+        if self.api_keys_file is not None:
+            out.extend(read_key_file(self.api_keys_file))
+        KeyRing(out)  # names unique
+        return out
 
     retry_after_s: int = Field(default=2, ge=1)
     """The Retry-After value of the proxy's 503 answers."""
@@ -355,10 +420,40 @@ class Settings(BaseSettings):
         sup = self.supervisor
         if sup.restart_backoff_initial_s > sup.restart_backoff_max_s:
             raise _named("supervisor.restart_backoff_initial_s", "must not exceed supervisor.restart_backoff_max_s")
+        try:
+            self.proxy.api_key_list()
+        except KeyFileError as e:
+            raise _named("proxy.api_keys", str(e)) from None
+        p = self.proxy
+        if (p.tls_key_file is not None) and p.tls_cert_file is None:
+            raise _named("proxy.tls_key_file", "needs proxy.tls_cert_file")
+        ping = sse_ping_interval(sup.spawn or [])
+        if ping is not None and not 0 < ping <= p.upstream_read_timeout_s / 3:
+            raise _named(
+                "supervisor.spawn",
+                f"--sse-ping-interval {ping:g} must be above 0 and at most a third of proxy.upstream_read_timeout_s "
+                f"({p.upstream_read_timeout_s / 3:g}), or a quiet stream is ended before the server's ping",
+            )
         host, _ = split_host_port(self.admin.listen)
         if not is_loopback(host) and self.admin.token is None:
             raise _named("admin.token", f"is required when admin.listen ({self.admin.listen}) is not loopback")
         return self
+
+
+def sse_ping_interval(argv: Sequence[str]) -> float | None:
+    """The `--sse-ping-interval` a server command line sets, or None."""
+    for i, arg in enumerate(argv):
+        value = None
+        if arg == "--sse-ping-interval" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--sse-ping-interval="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:
+                return -1.0
+    return None
 
 
 class _NamedError(ValueError):

@@ -27,7 +27,7 @@ from typing import IO
 import structlog
 
 from controller.metrics import Metrics
-from controller.settings import Settings
+from controller.settings import Settings, sse_ping_interval
 from controller.upstream import UpstreamClient, UpstreamError
 
 __all__ = ["ExitInfo", "Supervisor", "SupervisorState", "SupervisorStatus"]
@@ -69,6 +69,16 @@ class SupervisorStatus:
         return self.ready_since_unix
 
 
+def spawn_argv(settings: Settings) -> list[str]:
+    """The server's command line, with an SSE ping interval of a third of proxy.upstream_read_timeout_s when it sets
+    none: a stream that is quiet for a while (parked, or a slow step) must get the server's ping before kvctl's read
+    timeout ends it."""
+    argv = list(settings.supervisor.spawn or [])
+    if sse_ping_interval(argv) is None:
+        argv += ["--sse-ping-interval", str(max(1, int(settings.proxy.upstream_read_timeout_s // 3)))]
+    return argv
+
+
 class Supervisor:
     """Spawns, watches and restarts one llama-server; see the module docstring."""
 
@@ -84,8 +94,8 @@ class Supervisor:
             raise ValueError("supervisor.spawn is not set: nothing to supervise")
         self.settings = settings
         self.metrics = metrics
-        self.status = SupervisorStatus(argv=list(argv))
-        self._argv = list(argv)
+        self.status = SupervisorStatus(argv=spawn_argv(settings))
+        self._argv = spawn_argv(settings)
         self._on_start = on_start
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = asyncio.Event()
@@ -124,6 +134,17 @@ class Supervisor:
             await asyncio.shield(self._terminate())
             await self._health.close()
             self._set(SupervisorState.STOPPED)
+
+    def kill_hung(self, why: str) -> bool:
+        """SIGKILL a ready server that stopped answering (a hung server is as dead as a crashed one); the watch
+        then restarts it. False when there is nothing to kill (not started, starting, stopping)."""
+        proc = self._proc
+        if self.status.state is not SupervisorState.READY or proc is None or proc.returncode is not None:
+            return False
+        log.error("supervisor.kill_hung", pid=proc.pid, reason=why)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return True
 
     async def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; no restart after."""

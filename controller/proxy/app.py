@@ -1,39 +1,47 @@
-"""The reverse proxy in front of the patched llama-server.
+"""The reverse proxy in front of the patched llama-server: the server's whole API, behind the server's own
+authentication rules.
 
-Each generation request is tagged with its own X-Request-Id, so the controller knows which slot
-serves which stream (llama-server echoes it in /slots). Streams are relayed event by event,
-byte for byte; heartbeat comments fill silences (a parked or queued request) between complete
-events. A client that hangs up cancels the upstream request at once (handler_cancellation).
+Every request is authenticated first (``controller.proxy.auth``), then classified by the pinned server's
+route table (``controller.proxy.routes``): generation routes pass admission, get their own X-Request-Id
+(so the controller knows which slot serves which stream: llama-server echoes it in /slots) and heartbeats
+while queued or parked; the controller's private routes are refused; everything else is relayed as it
+is. Every response is streamed as it arrives. SSE streams are relayed event by event, byte for byte;
+what kvctl itself says on a stream (a heartbeat, an error) comes between complete events and in the
+framing the server uses on that route. Resumable (conversation) streams are relayed byte for byte with
+nothing of kvctl's own. A client that hangs up cancels the upstream request at once
+(handler_cancellation), except a conversation stream, which the server keeps generating.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import contextvars
 import json
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import aiohttp
 import structlog
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller.httputil import unsupported_expect
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
+from controller.proxy.auth import PUBLIC_PATHS, UNAUTHORIZED_BODY, Answer, ApiKey, Identity, KeyRing, ServerCheck
+from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 
 log = structlog.get_logger("kvctl.proxy")
-
-# generation routes: they take cells, so they pass admission
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/completion", "/completions")
-# other POST routes that are passed through as they are
-PASSTHROUGH_POST = ("/v1/embeddings", "/tokenize", "/detokenize")
-# never reachable from the public listener unless allowed: a client must not park someone
-# else's chat, read other users' requests or renew the controller's lease
-PRIVATE_GET = ("/slots", "/kv", "/metrics")
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvctl_request_id", default=None)
+access_log = structlog.get_logger("kvctl.access")
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -47,38 +55,66 @@ HOP_BY_HOP = frozenset(
         "Proxy-Authorization",
         "Proxy-Authenticate",
         "Proxy-Connection",
-        "Content-Length",
-        "Content-Encoding",
         "Host",
     )
 )
+CREDENTIALS = ("authorization", "x-api-key")
+# routes polled many times a second: no access-log line
+QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+# the server's limit on a request body (cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH)
+SERVER_MAX_BODY_BYTES = 100 * 1024 * 1024
 
-REQUEST_ID_KEY = web.AppKey("kvctl_request_ids", dict)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    417: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+    504: "unavailable_error",
+}
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
     upstream: str = "http://127.0.0.1:8081"
     upstream_api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()  # kvctl's own keys (proxy.api_keys and proxy.api_keys_file)
     heartbeat_s: float = 5.0  # longest silence on a stream before a heartbeat comment
     queue_grace_s: float = 2.0  # a streaming request queued longer than this gets SSE headers and heartbeats
     queue_depth: int = 256
     queue_timeout_s: float = 300.0
     write_timeout_s: float = 60.0  # a client that accepts no bytes for this long is cut off
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = SERVER_MAX_BODY_BYTES
     connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 60.0  # a started response that sends no byte for this long is ended
+    drain_s: float = 15.0
     expose_private_routes: bool = False
     retry_after_s: int = 2
     reserve_cells: int = 512  # the least a new request is assumed to need (admission_reserve_cells)
+    predict_route: str | None = None  # the Vertex AI predict route, when the server registers one
+    auth_cache_s: float = 5.0  # how long the server's acceptance of a credential is kept
 
 
-@dataclass
+@dataclass(eq=False)
 class Inflight:
     request_id: str
     client_request_id: str | None
     route: str
     t_start: float
     state: str = "queued"  # queued | upstream | streaming
+    ended: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Set (to the reason) when kvctl ends the request itself: a hung server, a shutdown."""
+    upstream: aiohttp.ClientResponse | None = None
+
+    def end(self, reason: str) -> None:
+        if not self.ended.done():
+            self.ended.set_result(reason)
+        if self.upstream is not None:
+            self.upstream.close()  # a pending read raises ClientConnectionError at once
 
 
 @dataclass
@@ -92,6 +128,7 @@ class ProxyMetrics:
     disconnects: Counter = field(init=False)
     stream_errors: Counter = field(init=False)
     heartbeats: Counter = field(init=False)
+    auth_failures: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -113,6 +150,9 @@ class ProxyMetrics:
         self.disconnects = Counter("kvctl_proxy_client_disconnects", "Clients that hung up mid-request", registry=r)
         self.stream_errors = Counter("kvctl_proxy_stream_errors", "Stream errors by stage", ["stage"], registry=r)
         self.heartbeats = Counter("kvctl_proxy_heartbeats", "Heartbeat comments sent", registry=r)
+        self.auth_failures = Counter(
+            "kvctl_proxy_auth_failures", "Requests refused for their credentials (401)", registry=r
+        )
 
 
 def is_utf8(value: str) -> bool:
@@ -128,14 +168,20 @@ def has_dot_segments(path: str) -> bool:
     return any(segment in (".", "..") for segment in path.split("/"))
 
 
+CHAT_ROUTES = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/messages"})
+PROMPT_ROUTES = frozenset({"/completion", "/completions", "/v1/completions"})
+
+
 def refused_by_server(route: str, payload: dict[str, Any]) -> bool:
     """A generation request the server refuses before it takes a slot: no prompt, no message list, or a stream
     flag that is not a boolean. Conservative: anything else goes through admission."""
     if "stream" in payload and not isinstance(payload["stream"], bool):
         return True
-    if route == "/v1/chat/completions":
+    if route in CHAT_ROUTES:
         return not isinstance(payload.get("messages"), list)
-    return payload.get("prompt") is None
+    if route in PROMPT_ROUTES:
+        return payload.get("prompt") is None
+    return False
 
 
 def estimate_prompt_cells(route: str, payload: dict[str, Any]) -> int:
@@ -150,38 +196,78 @@ def estimate_prompt_cells(route: str, payload: dict[str, Any]) -> int:
         if isinstance(p, str):
             return text(len(p.encode("utf-8", "replace")))
         if isinstance(p, list):
-            if all(isinstance(t, int) for t in p):
+            if p and all(isinstance(t, int) for t in p):
                 return len(p)
-            return sum(one(x) for x in p)  # several prompts: each takes a slot, but all their cells count
-        if isinstance(p, dict):  # a multimodal or templated part: its text
-            return sum(one(v) for k, v in p.items() if k in ("text", "content", "prompt_string"))
+            return sum(one(x) for x in p)  # several prompts or parts: each takes cells
+        if isinstance(p, dict):  # a multimodal, templated or Responses/Anthropic part: its text
+            return sum(one(v) for k, v in p.items() if k in ("text", "content", "prompt_string", "input", "output"))
         return 0
 
-    if route == "/v1/chat/completions":
+    if route in CHAT_ROUTES:
         messages = payload.get("messages")
         # roles and the chat template add a few tokens per message
-        return (
+        cells = (
             sum(one(m.get("content")) + 8 for m in messages if isinstance(m, dict)) if isinstance(messages, list) else 0
         )
+        return cells + one(payload.get("system"))
+    if route in ("/v1/responses", "/responses"):
+        inp = payload.get("input")
+        n_items = len(inp) if isinstance(inp, list) else 1
+        return one(inp) + 8 * n_items + one(payload.get("instructions"))
+    if route == "/infill":
+        extra = payload.get("input_extra")
+        return (
+            one(payload.get("input_prefix"))
+            + one(payload.get("input_suffix"))
+            + one(payload.get("prompt"))
+            + (sum(one(c.get("text")) for c in extra if isinstance(c, dict)) if isinstance(extra, list) else 0)
+        )
+    if isinstance(payload.get("instances"), list):  # the Vertex AI predict route: several requests in one
+        return sum(estimate_prompt_cells(_predict_route(i), i) for i in payload["instances"] if isinstance(i, dict))
     return one(payload.get("prompt"))
 
 
-def error_body(message: str, code: str, etype: str = "server_error") -> dict[str, Any]:
-    """The OpenAI envelope, marked as kvctl's own so an operator can tell it from the server's."""
-    return {"error": {"message": f"kvctl: {message}", "type": etype, "param": None, "code": code}}
+def _predict_route(instance: dict[str, Any]) -> str:
+    fmt = instance.get("@requestFormat")
+    return {"chatCompletions": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}.get(
+        fmt if isinstance(fmt, str) else "", "/completion"
+    )
+
+
+def error_object(status: int, message: str, code: str) -> dict[str, Any]:
+    """The server's error object ({code, message, type}), marked as kvctl's: the message starts with ``kvctl:``
+    and ``kvctl_code`` names the reason."""
+    return {
+        "code": status,
+        "message": f"kvctl: {message}",
+        "type": ERROR_TYPES.get(status, "server_error"),
+        "kvctl_code": code,
+    }
+
+
+def error_body(status: int, message: str, code: str) -> dict[str, Any]:
+    return {"error": error_object(status, message, code)}
 
 
 def error_response(
-    status: int, message: str, code: str, retry_after: int | None = None, etype: str = "server_error"
+    status: int, message: str, code: str, retry_after: int | None = None, headers: dict[str, str] | None = None
 ) -> web.Response:
-    headers = {"X-Kvctl-Error": "1"}
+    h = {"X-Kvctl-Error": code, **(headers or {})}
     if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
-    return web.json_response(error_body(message, code, etype), status=status, headers=headers)
+        h["Retry-After"] = str(retry_after)
+    return web.json_response(error_body(status, message, code), status=status, headers=h)
 
 
-def error_event(message: str, code: str) -> bytes:
-    return b"data: " + json.dumps(error_body(message, code)).encode() + b"\n\n"
+def error_event(route: Route | None, status: int, message: str, code: str) -> bytes:
+    """An error inside an SSE stream, framed as the server frames one on that route."""
+    return frame_error(route, error_object(status, message, code))
+
+
+def frame_error(route: Route | None, err: dict[str, Any]) -> bytes:
+    data = json.dumps(err, ensure_ascii=False).encode()
+    if route is not None and route.stream_framing == "anthropic":
+        return b"event: error\ndata: " + data + b"\n\n"
+    return b'data: {"error": ' + data + b"}\n\n"
 
 
 class AdmissionRefused(Exception):
@@ -193,14 +279,53 @@ class AdmissionRefused(Exception):
         self.code = code
 
 
+class Owners:
+    """Which key started a conversation stream or a completion (bounded: the oldest are forgotten first)."""
+
+    def __init__(self, limit: int = 65536) -> None:
+        self._owner: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._limit = limit
+
+    def set(self, ident: str, owner: str) -> None:
+        self._owner[ident] = owner
+        self._owner.move_to_end(ident)
+        while len(self._owner) > self._limit:
+            self._owner.popitem(last=False)
+
+    def owns(self, ident: str, owner: str | None) -> bool:
+        return self._owner.get(ident) == owner
+
+
+def unowned_id() -> str:
+    """An id no stream or completion has: the server answers for it as for one it does not know."""
+    return f"kvctl-not-yours-{uuid.uuid4().hex}"
+
+
 class Proxy:
     def __init__(self, config: ProxyConfig, gate: AdmissionGate, registry: CollectorRegistry) -> None:
         self.config = config
         self.gate = gate
         self.queue = AdmissionQueue(gate, config.queue_depth, config.queue_timeout_s)
         self.metrics = ProxyMetrics(registry)
-        self.inflight: dict[str, Inflight] = {}
+        self.inflight: dict[str, Inflight] = {}  # generation requests
+        self.relays: set[Inflight] = set()  # other requests still waiting for the server's response to start
         self.session: aiohttp.ClientSession | None = None
+        parts = urlsplit(config.upstream)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self.routes = RouteTable(parts.path, config.predict_route)
+        self.keys = KeyRing(config.api_keys)
+        self.server_check = (
+            ServerCheck(self._probe_credentials, ttl_s=config.auth_cache_s)
+            if not self.keys and config.upstream_api_key
+            else None
+        )
+        self.owners = Owners()  # conversation ids and completion ids, by key name (several keys only)
+        self.draining = False
+        self._active: set[asyncio.Task[Any]] = set()  # every handler running now
+        self._orphans: set[asyncio.Future[None]] = set()  # conversation requests whose client left while queued
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cors: dict[str, tuple[float, str | None]] = {}  # Origin -> (expiry, Access-Control-Allow-Origin)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -213,34 +338,123 @@ class Proxy:
         )
 
     async def stop(self, app: web.Application) -> None:
+        for task in list(self._orphans):
+            task.cancel()
         await self.queue.close()
         if self.session is not None:
             await self.session.close()
 
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Refuse new requests (503), give the open ones ``timeout_s`` (proxy.drain_s) to finish, then end the rest
+        with their protocol's error; returns how many were ended."""
+        self.draining = True
+        timeout = self.config.drain_s if timeout_s is None else timeout_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        left = list(self.inflight.values())
+        for entry in left:
+            entry.end("shutdown")
+        if left:
+            log.warning("proxy.drain_ended_streams", count=len(left), after_s=timeout)
+        # what is not a generation (a relayed download, a conversation stream) ends with its connection
+        rest = [t for t in self._active if not t.done()]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 2.0)
+        for t in rest:
+            t.cancel()
+        return len(left)
+
+    def end_waiting(self, reason: str) -> int:
+        """End every request still waiting for the server's response to start (the server stopped answering)."""
+        waiting = [e for e in (*self.inflight.values(), *self.relays) if e.state == "upstream"]
+        for entry in waiting:
+            entry.end(reason)
+        return len(waiting)
+
     # --- helpers -------------------------------------------------------------------------
 
-    def upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
-        headers = {
-            k: v
-            for k, v in request.headers.items()
-            if k.lower() not in HOP_BY_HOP and k.lower() not in ("x-request-id", "x-park-lease")
-        }
-        headers["X-Request-Id"] = request_id
-        headers["Accept-Encoding"] = "identity"
-        if self.config.upstream_api_key and "Authorization" not in headers:
+    def upstream_headers(
+        self, request: web.Request, request_id: str | None, ident: Identity | None, generation: bool
+    ) -> dict[str, str]:
+        # kvctl's keys are kvctl's: they never reach the server; the server's key goes only on what kvctl verified
+        own_keys = bool(self.keys)
+        drop = (
+            HOP_BY_HOP | {"x-request-id", "x-park-lease", "content-length"} | (set(CREDENTIALS) if own_keys else set())
+        )
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        if generation:
+            headers["Accept-Encoding"] = "identity"  # the relay reads the SSE events
+        if own_keys and ident is not None and ident.key is not None and self.config.upstream_api_key:
             headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
         return headers
 
     @staticmethod
     def response_headers(
-        upstream: aiohttp.ClientResponse, client_request_id: str | None, request_id: str
-    ) -> dict[str, str]:
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-        headers["X-Request-Id"] = client_request_id or request_id
+        upstream: aiohttp.ClientResponse, client_request_id: str | None, request_id: str | None, *, keep_length: bool
+    ) -> CIMultiDict[str]:
+        drop = HOP_BY_HOP if keep_length else HOP_BY_HOP | {"content-length"}
+        headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in drop)
+        if request_id is not None:
+            headers["X-Request-Id"] = client_request_id or request_id
         return headers
 
     def count(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
+
+    async def cors_headers(self, request: web.Request) -> dict[str, str]:
+        """The Access-Control-Allow-Origin the server would send to this request's Origin: asked of the server with
+        a preflight (answered before any routing or key check) and kept for a minute per Origin."""
+        origin = request.headers.get("Origin", "")
+        now = time.monotonic()
+        hit = self._cors.get(origin)
+        if hit is None or hit[0] <= now:
+            value: str | None = hit[1] if hit else None
+            assert self.session is not None
+            try:
+                async with asyncio.timeout(self.config.connect_timeout_s):
+                    h = {"Origin": origin} if origin else {}
+                    async with self.session.options(self.origin + "/health", headers=h) as r:
+                        value = r.headers.get("Access-Control-Allow-Origin")
+                if len(self._cors) > 1024:
+                    self._cors.clear()
+                self._cors[origin] = (now + 60.0, value)
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass  # the server is down: the last answer for this Origin, if any
+        else:
+            value = hit[1]
+        return {"Access-Control-Allow-Origin": value} if value is not None else {}
+
+    async def kvctl_error(
+        self, request: web.Request, status: int, message: str, code: str, retry_after: int | None = None
+    ) -> web.Response:
+        known = self.routes.lookup(request.method, request.path) is not None
+        self.count(request.path if known else "other", status)
+        return error_response(status, message, code, retry_after, await self.cors_headers(request))
+
+    async def unauthorized(self, request: web.Request) -> web.Response:
+        self.metrics.auth_failures.inc()
+        self.count("other", 401)
+        return web.Response(
+            status=401,
+            body=UNAUTHORIZED_BODY,
+            content_type="application/json",
+            charset="utf-8",
+            headers=await self.cors_headers(request),
+        )
+
+    async def _probe_credentials(self, creds: dict[str, str]) -> Answer:
+        """The server's answer to GET /v1/models with the client's own credentials."""
+        assert self.session is not None
+        url = self.origin + self.routes.api_prefix + "/v1/models"
+        async with asyncio.timeout(self.config.connect_timeout_s + self.config.upstream_read_timeout_s):
+            async with self.session.get(url, headers=creds) as r:
+                if r.status == 200:
+                    return Answer(200)
+                body = await r.read()
+                keep = [(k, v) for k, v in r.headers.items() if k.lower() not in HOP_BY_HOP | {"content-length"}]
+                return Answer(r.status, keep, body)
 
     # --- handlers ------------------------------------------------------------------------
 
@@ -249,113 +463,283 @@ class Proxy:
         if value is None:
             return None
         self.count("other", 417)
-        return error_response(
-            417, f"unsupported Expect header {value!r}", "expectation_failed", etype="invalid_request_error"
-        )
+        return error_response(417, f"unsupported Expect header {value!r}", "expectation_failed")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._active.add(task)
+        self._idle.clear()
+        t0 = time.monotonic()
+        _request_id.set(None)
+        status = 499  # the client went away before an answer
+        ident: Identity | None = None
         try:
-            return await self.route(request)
+            resp, ident = await self.dispatch(request)
+            status = resp.status
+            return resp
         except web.HTTPRequestEntityTooLarge:
-            self.count("other", 413)
-            return error_response(
-                413,
-                f"request body larger than {self.config.max_body_bytes} bytes",
-                "body_too_large",
-                etype="invalid_request_error",
+            status = 413
+            return await self.kvctl_error(
+                request, 413, f"request body larger than {self.config.max_body_bytes} bytes", "body_too_large"
             )
+        finally:
+            self._active.discard(task)
+            if not self._active:
+                self._idle.set()
+            if request.path not in QUIET_PATHS:
+                access_log.info(
+                    "access",
+                    method=request.method,
+                    path=request.path,
+                    status=status,
+                    duration_ms=round((time.monotonic() - t0) * 1000, 1),
+                    request_id=_request_id.get(),
+                    key=ident.name if ident is not None else None,
+                )
 
-    async def route(self, request: web.Request) -> web.StreamResponse:
+    async def dispatch(self, request: web.Request) -> tuple[web.StreamResponse, Identity | None]:
         path = request.path
         bad = next((k for k, v in request.headers.items() if not is_utf8(v)), None)
         if bad is not None:
             # aiohttp hands such bytes over as surrogates, which no upstream request or response header can carry
-            self.count("other", 400)
-            return error_response(
-                400, f"header {bad!r} is not valid UTF-8", "invalid_header", etype="invalid_request_error"
-            )
+            return await self.kvctl_error(request, 400, f"header {bad!r} is not valid UTF-8", "invalid_header"), None
         if has_dot_segments(path):
             # the upstream URL is normalized on the way out: /v1/../kv would reach the server as /kv, past the
             # private-route check below
-            self.count("other", 400)
-            return error_response(
-                400, f"path with dot segments: {path!r}", "invalid_path", etype="invalid_request_error"
-            )
-        if request.method == "POST" and path in GENERATION_ROUTES:
-            return await self.generation(request)
-        if request.method == "POST" and path in PASSTHROUGH_POST:
-            return await self.passthrough(request)
-        if request.method == "GET" and (not path.startswith(PRIVATE_GET) or self.config.expose_private_routes):
-            return await self.passthrough(request)
-        if request.method == "POST" and path.startswith("/slots") and self.config.expose_private_routes:
-            return await self.passthrough(request)
-        self.count("other", 404)
-        return error_response(
-            404, f"no route {request.method} {path} on the public listener", "not_found", etype="not_found_error"
+            return await self.kvctl_error(request, 400, f"path with dot segments: {path!r}", "invalid_path"), None
+        if self.draining:
+            return await self.kvctl_error(
+                request, 503, "kvctl is shutting down", "shutting_down", self.config.retry_after_s
+            ), None
+        if request.method == "OPTIONS":
+            # a CORS preflight: browsers send no credentials, and the server answers it before any check
+            return await self.relay(request, None, None), None
+        route = self.routes.lookup(request.method, path)
+        if request.method == "GET" and path == "/metrics":
+            # kvctl's public metrics (a later issue); the server's llamacpp:* series never leave through the proxy
+            return await self.kvctl_error(
+                request, 404, "no route GET /metrics on the public listener", "not_found"
+            ), None
+
+        # --- authentication, before anything else ---
+        ident: Identity | None = Identity(None)
+        if path not in PUBLIC_PATHS:
+            asset = request.method == "GET" and not self.routes.is_api_path(path)
+            if self.keys:
+                ident = self.keys.check(request.headers)
+                if ident is None:
+                    if asset:
+                        # the WebUI's static assets are public on the server: ask it without credentials, and
+                        # anything it does not serve is a 401, as the server with a key would answer
+                        return await self.relay(request, None, None, asset_probe=True), None
+                    return await self.unauthorized(request), None
+            elif self.server_check is not None and not asset:
+                try:
+                    answer = await self.server_check.check(request.headers)
+                except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                    return await self.kvctl_error(
+                        request,
+                        503,
+                        f"llama-server is unreachable: {e}",
+                        "upstream_unavailable",
+                        self.config.retry_after_s,
+                    ), None
+                if answer.status != 200:
+                    if answer.status == 401:
+                        self.metrics.auth_failures.inc()
+                    self.count("other", answer.status)
+                    return web.Response(
+                        status=answer.status, body=answer.body, headers=CIMultiDict(answer.headers)
+                    ), None
+
+        if route is not None and route.kind is Kind.PRIVATE and not self.config.expose_private_routes:
+            return await self.kvctl_error(
+                request, 404, f"no route {request.method} {path} on the public listener", "not_found"
+            ), ident
+        if route is not None and route.kind is Kind.GENERATION:
+            return await self.generation(request, route, ident), ident
+        if route is not None and route.kind in (Kind.CONVERSATION, Kind.CONTROL) and len(self.keys) > 1:
+            return await self.scoped(request, route, ident), ident
+        return await self.relay(request, route, ident), ident
+
+    async def scoped(self, request: web.Request, route: Route, ident: Identity | None) -> web.StreamResponse:
+        """Conversation streams and completion controls act only on what the same key started: an id another key
+        started is replaced by one nobody has, so the server answers as for an unknown id."""
+        owner = ident.name if ident is not None else None
+        if route.path == "/v1/streams/lookup":
+            return await self.relay(request, route, ident, filter_owner=owner)
+        if route.path == "/v1/stream":
+            query = parse_qsl(request.query_string, keep_blank_values=True)
+            fixed = [
+                (k, unowned_id() if k == "conv_id" and v and not self.owners.owns(v, owner) else v) for k, v in query
+            ]
+            return await self.relay(request, route, ident, query=urlencode(fixed), raw=request.method == "GET")
+        body = await request.read()  # /v1/chat/completions/control
+        with contextlib.suppress(ValueError, RecursionError):
+            payload = json.loads(body)
+            cid = payload.get("id") if isinstance(payload, dict) else None
+            if isinstance(cid, str) and cid and not self.owners.owns("cmpl:" + cid, owner):
+                payload["id"] = unowned_id()
+                body = json.dumps(payload).encode()
+        return await self.relay(request, route, ident, body=body)
+
+    async def relay(
+        self,
+        request: web.Request,
+        route: Route | None,
+        ident: Identity | None,
+        *,
+        asset_probe: bool = False,
+        body: bytes | None = None,
+        query: str | None = None,
+        raw: bool = False,
+        filter_owner: str | None = None,
+    ) -> web.StreamResponse:
+        """Anything that is not a generation: relayed as it is, streamed, with its encodings untouched."""
+        if body is None:
+            body = await request.read()
+        headers = self.upstream_headers(request, None, ident, generation=False)
+        if asset_probe:
+            headers = {k: v for k, v in headers.items() if k.lower() not in CREDENTIALS}
+        raw = raw or (route is not None and route.kind is Kind.CONVERSATION and request.method == "GET")
+        return await self.forward(
+            request,
+            body,
+            headers,
+            route,
+            None,
+            None,
+            stream=False,
+            raw=raw,
+            asset_probe=asset_probe,
+            query=query,
+            filter_owner=filter_owner,
         )
 
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        request_id = f"kvctl-{uuid.uuid4().hex}"
-        body = await request.read()
-        return await self.forward(request, body, request_id, None, stream=False)
-
-    async def generation(self, request: web.Request) -> web.StreamResponse:
+    async def generation(self, request: web.Request, route: Route, ident: Identity | None) -> web.StreamResponse:
         client_request_id = request.headers.get("X-Request-Id")
         request_id = f"kvctl-{uuid.uuid4().hex}"
+        _request_id.set(request_id)
         body = await request.read()
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
-            payload = None
-        if not isinstance(payload, dict) or refused_by_server(request.path, payload):
+        conversation = request.headers.get("X-Conversation-Id", "")
+        multipart = request.content_type.startswith("multipart/")
+        payload: Any = None
+        if not multipart:
+            try:
+                payload = json.loads(body)
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
+                payload = None
+        headers = self.upstream_headers(request, request_id, ident, generation=True)
+        if not multipart and (not isinstance(payload, dict) or refused_by_server(route.path, payload)):
             # malformed: the server answers it at once, exactly as it would without kvctl; it takes no cells, so it
             # must not wait in the admission queue for a slot it would never use
-            return await self.forward(request, body, request_id, client_request_id, stream=False)
-        stream = payload.get("stream", False) is True
+            return await self.forward(request, body, headers, route, request_id, client_request_id, stream=False)
+        stream = isinstance(payload, dict) and payload.get("stream", False) is True
         if self.gate.refuse_reason is not None:
-            self.count(request.path, 503)
-            return error_response(
-                503, self.gate.refuse_reason, "upstream_unavailable", retry_after=self.config.retry_after_s
+            return await self.kvctl_error(
+                request, 503, self.gate.refuse_reason, "upstream_unavailable", self.config.retry_after_s
             )
+        owner = ident.name if ident is not None and len(self.keys) > 1 else None
+        if conversation and owner is not None:
+            self.owners.set(conversation, owner)
 
-        entry = Inflight(request_id, client_request_id, request.path, time.monotonic())
+        entry = Inflight(request_id, client_request_id, route.path, time.monotonic())
         self.inflight[request_id] = entry
         self.metrics.inflight.inc()
         log.info(
             "request.start",
             request_id=request_id,
             client_request_id=client_request_id,
-            route=request.path,
+            route=route.path,
             stream=stream,
+            conversation=bool(conversation),
         )
         try:
             t_queue = time.monotonic()
             try:
-                cells = max(self.config.reserve_cells, estimate_prompt_cells(request.path, payload))
-                early = await self.wait_for_admission(request, stream, cells)
+                cells = self.config.reserve_cells
+                if isinstance(payload, dict):
+                    cells = max(cells, estimate_prompt_cells(route.path, payload))
+                # a resumable stream's bytes are counted by its client: nothing of kvctl's own goes into it
+                if conversation:
+                    early = None
+                    await self.admit_conversation(request.method, request.path_qs, body, headers, cells)
+                else:
+                    early = await self.wait_for_admission(request, stream, cells, route)
             except AdmissionRefused as e:
-                return await self.refuse(request, e.prepared, str(e.__cause__), e.code)
+                return await self.refuse(request, route, e.prepared, str(e.__cause__), e.code)
             self.metrics.admission_wait.observe(time.monotonic() - t_queue)
             entry.state = "upstream"
             return await self.forward(
-                request, body, request_id, client_request_id, stream=stream, prepared=early, entry=entry
+                request,
+                body,
+                headers,
+                route,
+                request_id,
+                client_request_id,
+                stream=stream,
+                prepared=early,
+                entry=entry,
+                raw=bool(conversation),
+                owner=owner,
             )
         finally:
             self.inflight.pop(request_id, None)
             self.metrics.inflight.dec()
 
+    async def admit_conversation(
+        self, method: str, path_qs: str, body: bytes, headers: dict[str, str], cells: int
+    ) -> None:
+        """Admission for a resumable stream. Its request keeps going when the client hangs up (the server's
+        contract: the WebUI reconnects and finds it with /v1/streams/lookup), so a client that leaves while it is
+        queued leaves it queued: once admitted, it is sent, and the server generates into its stream buffer."""
+        if self.queue.queued == 0 and self.gate.take(cells):
+            return
+        self.metrics.queued.inc()
+        admit = asyncio.ensure_future(self.queue.admit(cells))
+        admit.add_done_callback(lambda _: self.metrics.queued.dec())
+        try:
+            await asyncio.shield(admit)
+        except QueueFull as e:
+            raise AdmissionRefused(None, "queue_full") from e
+        except QueueTimeout as e:
+            raise AdmissionRefused(None, "queue_timeout") from e
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(self._send_orphan(admit, method, path_qs, body, headers))
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
+            raise
+
+    async def _send_orphan(
+        self, admit: asyncio.Future[None], method: str, path_qs: str, body: bytes, headers: dict[str, str]
+    ) -> None:
+        with contextlib.suppress(QueueFull, QueueTimeout):
+            await admit
+            assert self.session is not None
+            try:
+                # the response starting means the server took it; its stream buffer has the rest
+                async with self.session.request(method, self.origin + path_qs, data=body, headers=headers) as r:
+                    log.info(
+                        "conversation.sent_for_departed_client", status=r.status, request_id=headers.get("X-Request-Id")
+                    )
+            except (aiohttp.ClientError, OSError) as e:
+                log.warning("conversation.send_failed", error=str(e), request_id=headers.get("X-Request-Id"))
+
     async def refuse(
-        self, request: web.Request, early: web.StreamResponse | None, message: str, code: str
+        self, request: web.Request, route: Route, early: web.StreamResponse | None, message: str, code: str
     ) -> web.StreamResponse:
-        self.count(request.path, 503)
         log.warning("admission.refused", route=request.path, reason=code)
         if early is not None:
-            # the client already has SSE headers: the failure comes as an OpenAI error event
-            await self.write(request, early, error_event(message, code))
+            # the client already has SSE headers: the failure comes as an error event
+            self.count(request.path, 503)
+            await self.write(request, early, error_event(route, 503, message, code))
             return early
-        return error_response(503, message, code, retry_after=self.config.retry_after_s)
+        return await self.kvctl_error(request, 503, message, code, self.config.retry_after_s)
 
-    async def wait_for_admission(self, request: web.Request, stream: bool, cells: int) -> web.StreamResponse | None:
+    async def wait_for_admission(
+        self, request: web.Request, stream: bool, cells: int, route: Route
+    ) -> web.StreamResponse | None:
         """Queue while the gate holds; a streaming client waiting past the grace period gets
         SSE headers and heartbeats, so neither it nor a reverse proxy in between times out."""
         if self.queue.queued == 0 and self.gate.take(cells):
@@ -380,17 +764,15 @@ class Proxy:
                     deadline = float("inf")
                     continue
                 if prepared is None:
-                    prepared = await self.prepare_sse(request, None, None)
+                    prepared = await self.prepare_sse(request, await self.cors_headers(request))
                 await self.heartbeat(request, prepared, "queued")
         finally:
             if not admit.done():
                 admit.cancel()
             self.metrics.queued.dec()
 
-    async def prepare_sse(
-        self, request: web.Request, upstream: aiohttp.ClientResponse | None, headers: dict[str, str] | None
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers=headers or {})
+    async def prepare_sse(self, request: web.Request, headers: dict[str, str] | CIMultiDict[str]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=headers)
         resp.content_type = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
         resp.headers["X-Accel-Buffering"] = "no"
@@ -412,69 +794,103 @@ class Proxy:
         self.metrics.heartbeats.inc()
         await self.write(request, resp, f": kvctl keep-alive ({why})\n\n".encode())
 
+    async def _send(
+        self, request: web.Request, url: str, body: bytes, headers: dict[str, str], entry: Inflight
+    ) -> tuple[Any, aiohttp.ClientResponse]:
+        """Send the request; wait for the response to start, or for kvctl to end the request (a hung server)."""
+        assert self.session is not None
+        cm = self.session.request(request.method, url, data=body if body else None, headers=headers)
+        opening: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(cm.__aenter__())
+        either: set[asyncio.Future[Any]] = {opening, entry.ended}
+        try:
+            done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            opening.cancel()  # the client left: the request is withdrawn (its connection closes)
+            raise
+        if opening in done:
+            return cm, opening.result()
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
+            await opening
+        raise UpstreamEnded(entry.ended.result())
+
     async def forward(
         self,
         request: web.Request,
         body: bytes,
-        request_id: str,
+        headers: dict[str, str],
+        route: Route | None,
+        request_id: str | None,
         client_request_id: str | None,
         *,
         stream: bool,
         prepared: web.StreamResponse | None = None,
         entry: Inflight | None = None,
+        raw: bool = False,
+        asset_probe: bool = False,
+        query: str | None = None,
+        filter_owner: str | None = None,
+        owner: str | None = None,
     ) -> web.StreamResponse:
-        assert self.session is not None
-        route = request.path if request.path in GENERATION_ROUTES + PASSTHROUGH_POST else "other"
-        url = self.config.upstream.rstrip("/") + request.path_qs
-        t0 = time.monotonic()
+        generation = route is not None and route.kind is Kind.GENERATION
+        label = request.path if route is not None else "other"
+        relayed = entry is None
+        if entry is None:  # not a generation: tracked only so that a hung server or a shutdown can end it
+            entry = Inflight(request_id or "", client_request_id, label, time.monotonic(), state="upstream")
+            self.relays.add(entry)
+        path_qs = request.path_qs if query is None else request.path + ("?" + query if query else "")
+        url = self.origin + path_qs
         try:
-            upstream_cm = self.session.request(
-                request.method, url, data=body if body else None, headers=self.upstream_headers(request, request_id)
-            )
-            upstream = await upstream_cm.__aenter__()
+            try:
+                upstream_cm, upstream = await self._send(request, url, body, headers, entry)
+            finally:
+                if relayed:
+                    self.relays.discard(entry)
+        except UpstreamEnded as e:
+            return await self.ended_before_start(request, route, prepared, str(e))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self.metrics.stream_errors.labels(stage="connect").inc()
             log.warning("upstream.unreachable", request_id=request_id, error=str(e))
+            message = f"llama-server is unreachable: {e}"
             if prepared is not None:
-                await self.write(
-                    request, prepared, error_event(f"llama-server is unreachable: {e}", "upstream_unavailable")
-                )
+                await self.write(request, prepared, error_event(route, 503, message, "upstream_unavailable"))
                 return prepared
-            self.count(route, 503)
-            return error_response(
-                503, f"llama-server is unreachable: {e}", "upstream_unavailable", retry_after=self.config.retry_after_s
-            )
+            return await self.kvctl_error(request, 503, message, "upstream_unavailable", self.config.retry_after_s)
+        entry.upstream = upstream
         try:
             is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-            if not is_sse or upstream.status != 200:
-                data = await upstream.read()
-                self.count(route, upstream.status)
-                if prepared is not None:
-                    # too late for a status: the server's error becomes an error event
+            self.count(label, upstream.status)
+            if asset_probe and upstream.status == 404:
+                return await self.unauthorized(request)
+            if prepared is not None:
+                if not is_sse or upstream.status != 200:
+                    # too late for a status: the server's error becomes an error event in the route's framing
                     await self.write(
-                        request,
-                        prepared,
-                        b"data: " + data + b"\n\n"
-                        if data
-                        else error_event(f"llama-server answered {upstream.status}", "upstream_error"),
+                        request, prepared, self.error_from_body(route, upstream.status, await upstream.read())
                     )
                     return prepared
-                return web.Response(
-                    status=upstream.status,
-                    body=data,
-                    headers=self.response_headers(upstream, client_request_id, request_id),
+                resp = prepared
+            elif generation and is_sse and upstream.status == 200 and not raw:
+                resp = await self.prepare_sse(
+                    request, self.response_headers(upstream, client_request_id, request_id, keep_length=False)
                 )
-            resp = prepared or await self.prepare_sse(
-                request, upstream, self.response_headers(upstream, client_request_id, request_id)
-            )
-            if entry is not None:
-                entry.state = "streaming"
-            await self.relay(request, upstream, resp, t0, request_id)
-            self.count(route, 200)
+            else:
+                if filter_owner is not None:
+                    return await self.filter_lookup(request, upstream, filter_owner)
+                resp = web.StreamResponse(
+                    status=upstream.status,
+                    reason=upstream.reason,
+                    headers=self.response_headers(upstream, client_request_id, request_id, keep_length=True),
+                )
+                await resp.prepare(request)
+                await self.relay_bytes(request, upstream, resp, request_id)
+                return resp
+            entry.state = "streaming"
+            await self.relay_events(request, upstream, resp, route, request_id, entry, owner)
             return resp
         except asyncio.CancelledError:
-            # the client hung up: leaving the upstream context closes that connection, and
-            # llama-server releases the slot
+            # the client hung up: leaving the upstream context closes that connection, and llama-server releases
+            # the slot (a conversation stream goes on generating into the server's buffer: the server's contract)
             self.metrics.disconnects.inc()
             log.info("client.disconnected", request_id=request_id)
             raise
@@ -482,47 +898,165 @@ class Proxy:
             self.metrics.disconnects.inc()
             raise
         finally:
+            entry.upstream = None
             await upstream_cm.__aexit__(None, None, None)
 
-    async def relay(
+    async def ended_before_start(
+        self, request: web.Request, route: Route | None, prepared: web.StreamResponse | None, reason: str
+    ) -> web.StreamResponse:
+        message, code = self.end_message(reason)
+        self.metrics.stream_errors.labels(stage=code).inc()
+        if prepared is not None:
+            await self.write(request, prepared, error_event(route, 503, message, code))
+            return prepared
+        return await self.kvctl_error(request, 503, message, code, self.config.retry_after_s)
+
+    def end_message(self, reason: str) -> tuple[str, str]:
+        if reason == "shutdown":
+            return "kvctl is shutting down; the request was ended", "shutting_down"
+        return (
+            f"llama-server has not answered for {self.config.upstream_read_timeout_s:g} s; the request was ended",
+            "upstream_timeout",
+        )
+
+    def error_from_body(self, route: Route | None, status: int, data: bytes) -> bytes:
+        try:
+            err = json.loads(data)["error"]
+            if not isinstance(err, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            err = error_object(status, f"llama-server answered {status}", "upstream_error")
+        return frame_error(route, err)
+
+    async def filter_lookup(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, owner: str
+    ) -> web.StreamResponse:
+        """POST /v1/streams/lookup with several keys: only the conversations this key started (a small JSON list)."""
+        data = await upstream.read()
+        if upstream.status == 200:
+            with contextlib.suppress(ValueError, RecursionError):
+                doc = json.loads(data)
+                if isinstance(doc, list):
+                    mine = [
+                        s for s in doc if isinstance(s, dict) and self.owners.owns(str(s.get("conversation_id")), owner)
+                    ]
+                    data = json.dumps(mine, ensure_ascii=False).encode()
+        return web.Response(
+            status=upstream.status, body=data, headers=self.response_headers(upstream, None, None, keep_length=False)
+        )
+
+    async def _read(self, upstream: aiohttp.ClientResponse) -> bytes | None:
+        """The next chunk; None when heartbeat_s passed without one (the caller decides about the silence)."""
+        try:
+            async with asyncio.timeout(self.config.heartbeat_s):
+                return await upstream.content.readany()
+        except TimeoutError:
+            return None
+
+    async def relay_bytes(
         self,
         request: web.Request,
         upstream: aiohttp.ClientResponse,
         resp: web.StreamResponse,
-        t0: float,
-        request_id: str,
+        request_id: str | None,
     ) -> None:
-        framer = SSEFramer()
-        first = True
+        """Bytes as they arrive, nothing of kvctl's own; a silence past the read timeout, or kvctl ending the
+        request, aborts the connection (a client that counts bytes then resumes where it stopped)."""
+        last = time.monotonic()
         while True:
             try:
-                async with asyncio.timeout(self.config.heartbeat_s):
-                    chunk = await upstream.content.readany()
-            except TimeoutError:
+                chunk = await self._read(upstream)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                self.metrics.stream_errors.labels(stage="upstream").inc()
+                log.warning("upstream.disconnected", request_id=request_id, error=str(e))
+                self._abort(request)
+                return
+            if chunk is None:
+                if time.monotonic() - last >= self.config.upstream_read_timeout_s:
+                    self.metrics.stream_errors.labels(stage="upstream_timeout").inc()
+                    log.warning("upstream.timeout", request_id=request_id, path=request.path)
+                    self._abort(request)
+                    return
+                continue
+            if not chunk:
+                await resp.write_eof()
+                return
+            last = time.monotonic()
+            await self.write(request, resp, chunk)
+
+    @staticmethod
+    def _abort(request: web.Request) -> None:
+        if request.transport is not None:
+            request.transport.abort()
+
+    async def relay_events(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        resp: web.StreamResponse,
+        route: Route | None,
+        request_id: str | None,
+        entry: Inflight | None,
+        owner: str | None,
+    ) -> None:
+        framer = SSEFramer()
+        t0 = entry.t_start if entry is not None else time.monotonic()
+        first = True
+        last = time.monotonic()
+        while True:
+            try:
+                chunk = await self._read(upstream)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                if entry is not None and entry.ended.done():
+                    message, code = self.end_message(entry.ended.result())
+                else:
+                    message, code = f"llama-server went away mid-stream: {e}", "upstream_disconnected"
+                self.metrics.stream_errors.labels(stage=code).inc()
+                log.warning("stream.ended", request_id=request_id, reason=code, error=str(e))
+                await self.write(request, resp, error_event(route, 502, message, code))
+                return
+            if chunk is None:
+                if time.monotonic() - last >= self.config.upstream_read_timeout_s:
+                    message, code = self.end_message("timeout")
+                    self.metrics.stream_errors.labels(stage=code).inc()
+                    log.warning("stream.ended", request_id=request_id, reason=code)
+                    if framer.pending:
+                        await self.write(request, resp, b"\n\n")  # close the event the server left open
+                    await self.write(request, resp, error_event(route, 504, message, code))
+                    return
                 if not framer.pending:
                     await self.heartbeat(request, resp, "silence")
                 continue
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                self.metrics.stream_errors.labels(stage="upstream").inc()
-                log.warning("upstream.disconnected", request_id=request_id, error=str(e))
-                await self.write(
-                    request, resp, error_event(f"llama-server went away mid-stream: {e}", "upstream_disconnected")
-                )
-                return
             if not chunk:
                 rest = framer.flush()
                 if rest:
                     await self.write(request, resp, rest)
                 return
+            last = time.monotonic()
             for event in framer.feed(chunk):
                 if first and has_data(event):
                     first = False
                     self.metrics.ttft.observe(time.monotonic() - t0)
+                    if owner is not None:
+                        self._record_completion_id(event, owner)
                 if is_comment(event):
                     text = comment_text(event)
                     if text in ("parked", "resumed"):
                         log.info(f"stream.{text}", request_id=request_id)
                 await self.write(request, resp, event)
+
+    def _record_completion_id(self, event: bytes, owner: str) -> None:
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                with contextlib.suppress(ValueError, RecursionError):
+                    doc = json.loads(line[5:])
+                    if isinstance(doc, dict) and isinstance(doc.get("id"), str):
+                        self.owners.set("cmpl:" + doc["id"], owner)
+                return
+
+
+class UpstreamEnded(Exception):
+    """kvctl ended the request before the server's response started."""
 
 
 def make_proxy_app(
@@ -541,10 +1075,21 @@ def make_proxy_app(
 PROXY_KEY = web.AppKey("kvctl_proxy", Proxy)
 
 
-async def run_site(app: web.Application, host: str, port: int) -> Callable[[], Awaitable[None]]:
+def tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """The public listener's TLS from a certificate chain and its key (PEM), or None for plain HTTP."""
+    if not cert_file:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert_file, key_file or None)
+    return ctx
+
+
+async def run_site(
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> Callable[[], Awaitable[None]]:
     """Serve app; a client that hangs up cancels its handler, so the upstream request ends at once."""
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     return runner.cleanup

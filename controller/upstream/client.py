@@ -192,6 +192,15 @@ class UpstreamClient:
             raise
         return True
 
+    async def props(self) -> dict[str, Any]:
+        """GET /props as a JSON object (``role`` is ``router`` in router mode)."""
+        status, payload = await self._request("GET", "/props")
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            raise UpstreamProtocolError("/props: not JSON", status) from None
+        return doc if isinstance(doc, dict) else {}
+
     async def metrics_text(self) -> str:
         _, payload = await self._request("GET", "/metrics")
         return payload.decode("utf-8", "replace")

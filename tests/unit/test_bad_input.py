@@ -36,7 +36,13 @@ class Answer:
     def error(self) -> dict[str, Any]:
         assert self.headers.get("content-type", "").startswith("application/json"), (self.status, self.body)
         err = json.loads(self.body)["error"]
-        assert err["message"] and err["type"] and "param" in err and isinstance(err["code"], str)
+        assert err["message"] and err["type"]
+        if "kvctl_code" in err:
+            # the proxy: the server's own error object {code: status, message, type}, marked as kvctl's
+            assert err["code"] == self.status and err["message"].startswith("kvctl: "), err
+            assert self.headers["x-kvctl-error"] == err["kvctl_code"]
+            return {**err, "code": err["kvctl_code"]}
+        assert "param" in err and isinstance(err["code"], str)  # the admin API: the OpenAI envelope
         return dict(err)
 
 
