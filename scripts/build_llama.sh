@@ -144,8 +144,10 @@ fi
 
 # --- install into the cache atomically ---------------------------------------------------
 stage="$work/entry"
-mkdir -p "$stage/bin" "$stage/vocab"
+mkdir -p "$stage/bin" "$stage/vocab" "$stage/src"
 cp "$work/build/bin/llama-server" "$stage/bin/"
+# the server's route table, for the test that checks the proxy classifies every route (tests/unit/test_routes.py)
+cp "$src/tools/server/server.cpp" "$stage/src/"
 cp "$src"/models/ggml-vocab-llama-spm.gguf "$src"/models/ggml-vocab-qwen35.gguf "$stage/vocab/"
 {
     echo "source: llama.cpp $UPSTREAM_COMMIT"

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 
 from controller import testmodels
-from tests.integration.llama import ServerProcess
+from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
+from controller.proxy.app import run_site
+from tests.integration.llama import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,6 +94,25 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         yield session
+
+
+ProxyFactory = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[ProxyFactory]:
+    """The proxy alone (no control loop) in this process, in front of ``upstream``; ProxyConfig fields as keywords."""
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def start(upstream: str, gate: AdmissionGate | None = None, **config: Any) -> str:
+        port = free_port()
+        app = make_proxy_app(ProxyConfig(upstream=upstream, **config), gate, CollectorRegistry())
+        cleanups.append(await run_site(app, "127.0.0.1", port))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for cleanup in cleanups:
+        await cleanup()
 
 
 @pytest.fixture(scope="session")

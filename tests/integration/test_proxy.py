@@ -6,17 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
-from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
-from controller.proxy.app import run_site
-from tests.integration.conftest import ServerFactory
+from controller.proxy import AdmissionGate
+from tests.integration.conftest import ProxyFactory, ServerFactory
 from tests.integration.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
@@ -28,23 +25,6 @@ from tests.integration.llama import (
 )
 
 POOL = ("-c", "4096", "-np", "4", "-kvu", "--slots", "--metrics")
-
-ProxyFactory = Callable[..., Awaitable[str]]
-
-
-@pytest.fixture
-async def start_proxy() -> AsyncIterator[ProxyFactory]:
-    cleanups: list[Callable[[], Awaitable[None]]] = []
-
-    async def start(upstream: str, gate: AdmissionGate | None = None, **config: Any) -> str:
-        port = free_port()
-        app = make_proxy_app(ProxyConfig(upstream=upstream, **config), gate, CollectorRegistry())
-        cleanups.append(await run_site(app, "127.0.0.1", port))
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for cleanup in cleanups:
-        await cleanup()
 
 
 def chat(n: int) -> dict[str, Any]:

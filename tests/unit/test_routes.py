@@ -1,0 +1,81 @@
+"""The proxy's route table against the pinned server's own registrations."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from controller.proxy.routes import ROUTES, Kind, RouteTable, predict_route_from_env
+
+REGISTRATION = re.compile(r'ctx_http\.(get|post|del)\s*\(\s*"([^"]+)"')
+METHODS = {"get": "GET", "post": "POST", "del": "DELETE"}
+
+
+def pinned_server_source() -> Path:
+    """tools/server/server.cpp of the pinned, patched tree: build_llama.sh keeps it beside the binary."""
+    binary = os.environ.get("LLAMA_SERVER_BIN_PATH")
+    if not binary:
+        pytest.fail("LLAMA_SERVER_BIN_PATH is not set: run the suite with scripts/test.sh")
+    path = Path(binary).parent.parent / "src" / "server.cpp"
+    assert path.is_file(), f"{path} is missing: rebuild with scripts/build_llama.sh --force"
+    return path
+
+
+def pinned_routes() -> set[tuple[str, str]]:
+    found = {(METHODS[m], p) for m, p in REGISTRATION.findall(pinned_server_source().read_text())}
+    assert len(found) > 40, "the registration pattern no longer matches server.cpp"
+    return found
+
+
+def test_every_route_of_the_pinned_server_is_classified() -> None:
+    table = RouteTable()
+    named = {(r.method, r.path) for r in ROUTES}
+    missing = pinned_routes() - named
+    assert not missing, f"routes of the pinned server the proxy does not classify: {sorted(missing)}"
+    stale = named - pinned_routes()
+    assert not stale, f"routes in the proxy's table the pinned server does not have: {sorted(stale)}"
+    for method, path in pinned_routes():
+        assert table.lookup(method, path.replace(":id_slot", "3")) is not None
+
+
+def test_generation_routes_are_every_completion_route() -> None:
+    gen = {(r.method, r.path) for r in ROUTES if r.kind is Kind.GENERATION}
+    assert gen == {
+        ("POST", p)
+        for p in (
+            "/completion",
+            "/completions",
+            "/v1/completions",
+            "/chat/completions",
+            "/v1/chat/completions",
+            "/v1/responses",
+            "/responses",
+            "/v1/messages",
+            "/infill",
+            "/v1/audio/transcriptions",
+            "/audio/transcriptions",
+        )
+    }
+    private = {(r.method, r.path) for r in ROUTES if r.kind is Kind.PRIVATE}
+    assert private == {("GET", "/slots"), ("GET", "/kv"), ("POST", "/slots/:id_slot"), ("GET", "/metrics")}
+
+
+def test_lookup_with_prefix_parameters_and_predict_route() -> None:
+    t = RouteTable("/api/", predict_route="/predict")
+    assert t.lookup("POST", "/api/v1/messages").kind is Kind.GENERATION  # type: ignore[union-attr]
+    assert t.lookup("POST", "/v1/messages") is None, "without the prefix the server has no such route"
+    assert t.lookup("POST", "/api/slots/12").kind is Kind.PRIVATE  # type: ignore[union-attr]
+    assert t.lookup("POST", "/api/slots/") is None and t.lookup("POST", "/api/slots/1/x") is None
+    assert t.lookup("POST", "/api/predict").kind is Kind.GENERATION  # type: ignore[union-attr]
+    assert t.lookup("GET", "/api/index.html") is None and not t.is_api_path("/api/index.html")
+    assert t.is_api_path("/api/v1/stream")
+
+
+def test_predict_route_as_the_server_reads_it() -> None:
+    assert predict_route_from_env({}) is None
+    assert predict_route_from_env({"AIP_MODE": "PREDICTION"}) == "/predict"
+    assert predict_route_from_env({"AIP_MODE": "PREDICTION", "AIP_PREDICT_ROUTE": "v1/p"}) == "/v1/p"
+    assert predict_route_from_env({"AIP_MODE": "other", "AIP_PREDICT_ROUTE": "/p"}) is None
