@@ -549,9 +549,12 @@ class Proxy:
                     if answer.status == 401:
                         self.metrics.auth_failures.inc()
                     self.count("other", answer.status)
-                    return web.Response(
-                        status=answer.status, body=answer.body, headers=CIMultiDict(answer.headers)
-                    ), None
+                    # the server's own answer; its CORS header was for kvctl's probe, this one is for the client's Origin
+                    headers = CIMultiDict(
+                        (k, v) for k, v in answer.headers if not k.lower().startswith("access-control-")
+                    )
+                    headers.update(await self.cors_headers(request))
+                    return web.Response(status=answer.status, body=answer.body, headers=headers), None
 
         if route is not None and route.kind is Kind.PRIVATE and not self.config.expose_private_routes:
             return await self.kvctl_error(

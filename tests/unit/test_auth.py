@@ -82,10 +82,10 @@ def test_settings_take_keys_from_the_list_and_the_file(tmp_path: Path) -> None:
     )
     assert [k.name for k in s.proxy.api_key_list()] == ["api_keys[0]", "bob", "filed"]
     f.write_text("sk-x bob\n")
-    with pytest.raises(SettingsError, match="proxy.api_keys.*repeated: bob") as e:
+    with pytest.raises(SettingsError, match=r"proxy\.api_keys.*repeated: bob") as e:
         load_settings(overrides={"proxy": {"api_keys": [{"key": "sk-b", "name": "bob"}], "api_keys_file": str(f)}})
     assert "sk-" not in str(e.value)
-    with pytest.raises(SettingsError, match="supervisor.spawn.*sse-ping-interval"):
+    with pytest.raises(SettingsError, match=r"supervisor\.spawn.*sse-ping-interval"):
         load_settings(overrides={"supervisor": {"spawn": ["llama-server", "--sse-ping-interval", "30"]}})
     load_settings(overrides={"supervisor": {"spawn": ["llama-server", "--sse-ping-interval=20"]}})
 
