@@ -131,9 +131,12 @@ class Supervisor:
                 self.status.next_start_in_s = None
                 delay = min(delay * 2, cfg.restart_backoff_max_s)
         finally:
-            await asyncio.shield(self._terminate())
-            await self._health.close()
-            self._set(SupervisorState.STOPPED)
+            try:
+                await asyncio.shield(self._terminate())
+            finally:
+                # also when cancelled while the server is being stopped: the health client is closed either way
+                await self._health.close()
+                self._set(SupervisorState.STOPPED)
 
     def kill_hung(self, why: str) -> bool:
         """SIGKILL a ready server that stopped answering (a hung server is as dead as a crashed one); the watch
