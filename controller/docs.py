@@ -1,5 +1,6 @@
-"""The README's generated tables: ``python -m controller.docs`` prints the settings and metrics
-tables of "The controller (kvctl)"; a unit test checks that the README holds the current ones."""
+"""The generated tables: ``python -m controller.docs`` prints the settings and metrics tables of the README's
+"The controller (kvctl)", ``python -m controller.docs routes`` the route table of docs/proxy.md; unit tests check
+that the documents hold the current ones."""
 
 from __future__ import annotations
 
@@ -11,13 +12,32 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from controller.metrics import Metrics
+from controller.proxy.routes import ROUTES, Kind
 from controller.settings import markdown_table
 
-__all__ = ["metrics_table", "settings_table"]
+__all__ = ["metrics_table", "routes_table", "settings_table"]
+
+WHAT_KIND_MEANS = {
+    Kind.GENERATION: "admission, kvctl's `X-Request-Id`, heartbeats while queued or parked, errors in the route's framing",
+    Kind.PRIVATE: "refused (404) unless `proxy.expose_private_routes`; `GET /metrics` always",
+    Kind.PUBLIC: "no credentials needed (as on the server)",
+    Kind.CONVERSATION: "relayed byte for byte; with several kvctl keys, only the key that started the conversation",
+    Kind.CONTROL: "relayed; with several kvctl keys, only the key that started the completion",
+    Kind.RELAY: "relayed as it is, streamed, encodings untouched",
+}
 
 
 def settings_table() -> str:
     return markdown_table()
+
+
+def routes_table() -> str:
+    """docs/proxy.md's route table, from the proxy's own classification (controller/proxy/routes.py)."""
+    rows = ["| kind | routes | what kvctl does |", "|---|---|---|"]
+    for kind in Kind:
+        routes = ", ".join(f"`{r.method} {r.path}`" for r in ROUTES if r.kind is kind)
+        rows.append(f"| {kind.value} | {routes} | {WHAT_KIND_MEANS[kind]} |")
+    return "\n".join(rows)
 
 
 def metrics_table() -> str:
@@ -35,7 +55,7 @@ def metrics_table() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m controller.docs", description=__doc__)
-    parser.add_argument("table", choices=["settings", "metrics"], nargs="?", help="one table only")
+    parser.add_argument("table", choices=["settings", "metrics", "routes"], nargs="?", help="one table only")
     args = parser.parse_args(argv)
     if args.table in (None, "settings"):
         print(settings_table())
@@ -43,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     if args.table in (None, "metrics"):
         print(metrics_table())
+    if args.table == "routes":
+        print(routes_table())
     return 0
 
 

@@ -549,7 +549,7 @@ class Proxy:
                     if answer.status == 401:
                         self.metrics.auth_failures.inc()
                     self.count("other", answer.status)
-                    # the server's own answer; its CORS header was for kvctl's probe, this one is for the client's Origin
+                    # the server's own answer; its CORS header was for kvctl's probe: this one is for the Origin sent
                     headers = CIMultiDict(
                         (k, v) for k, v in answer.headers if not k.lower().startswith("access-control-")
                     )

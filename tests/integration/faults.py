@@ -303,13 +303,14 @@ def raw_request(
 
 
 def assert_envelope(ans: RawAnswer, *, kvctl: bool | None = None) -> dict[str, Any]:
-    """An OpenAI-style error envelope; kvctl=True: kvctl's own (code a string), False: the server's."""
+    """The server's error body; kvctl=True: kvctl's own (marked kvctl: with a kvctl_code), False: the server's."""
     assert (ans.header("Content-Type") or "").startswith("application/json"), (ans.status, ans.body[:300])
     err = ans.json["error"]
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
     if kvctl is True:
-        assert isinstance(err["code"], str) and "param" in err, err
+        assert err["code"] == ans.status and isinstance(err["kvctl_code"], str), err
+        assert err["message"].startswith("kvctl: ") and ans.header("X-Kvctl-Error") == err["kvctl_code"], err
     elif kvctl is False:
         assert err["code"] == ans.status, err
     return dict(err)

@@ -255,11 +255,11 @@ def assert_well_formed_failure(out: Outcome, stream: bool) -> None:
     assert out.exception is None, f"the client saw a broken connection, not an error: {out.exception!r}"
     if stream and out.status == 200:
         err = out.error_event
-        assert err is not None and err["code"] == "upstream_disconnected", out.events[-3:]
+        assert err is not None and err["kvctl_code"] == "upstream_disconnected", out.events[-3:]
         assert err["message"].startswith("kvctl:")
         return
     assert out.status is not None and out.status >= 500, (out.status, out.body)
-    assert out.headers.get("X-Kvctl-Error") == "1" and "Retry-After" in out.headers
+    assert out.headers.get("X-Kvctl-Error") == out.body["error"]["kvctl_code"] and "Retry-After" in out.headers
     assert out.body["error"]["message"].startswith("kvctl:") and out.body["error"]["type"]
 
 
@@ -439,7 +439,7 @@ async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_answer
                 out = await post_and_read(http, url + "/v1/chat/completions", chat(8, stream=True))
                 assert time.monotonic() - t0 < 1.0, "refused at once, not after a timeout"
                 assert out.status == 503 and out.headers["Retry-After"] == "2"
-                assert out.body["error"]["code"] == "upstream_unavailable"
+                assert out.body["error"]["kvctl_code"] == "upstream_unavailable"
                 assert "not answering" in out.body["error"]["message"]
                 async with http.post(admin + "/slots/0/park") as resp:
                     assert resp.status == 503 and "Retry-After" in resp.headers

@@ -154,7 +154,8 @@ async def test_admission_queue_holds_then_admits_and_overflows(
     async with http.post(url + "/completion", json=req) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "2"
         body = await resp.json()
-        assert body["error"]["code"] == "queue_full" and body["error"]["message"].startswith("kvctl:")
+        assert body["error"]["kvctl_code"] == "queue_full" and body["error"]["message"].startswith("kvctl:")
+        assert body["error"]["code"] == 503 and resp.headers["X-Kvctl-Error"] == "queue_full"
     gate.update(None)
     for res in await asyncio.gather(*waiting):
         assert res.status == 200 and res.n_decoded == list(range(1, 17))
@@ -194,7 +195,8 @@ async def test_upstream_down_and_dying_mid_stream(
     async with http.post(dead + "/v1/chat/completions", json=chat(8)) as resp:
         assert resp.status == 503 and "Retry-After" in resp.headers
         body = await resp.json()
-        assert body["error"]["code"] == "upstream_unavailable" and resp.headers["X-Kvctl-Error"] == "1"
+        assert body["error"]["kvctl_code"] == "upstream_unavailable"
+        assert resp.headers["X-Kvctl-Error"] == "upstream_unavailable"
 
     srv = start_server(*POOL)
     url = await start_proxy(srv.url)
@@ -213,4 +215,4 @@ async def test_upstream_down_and_dying_mid_stream(
             n_data += 1
             if n_data == 50:
                 srv.stop()
-    assert len(errors) == 1 and errors[0]["code"] == "upstream_disconnected"
+    assert len(errors) == 1 and errors[0]["kvctl_code"] == "upstream_disconnected"

@@ -90,7 +90,7 @@ async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactor
         await asyncio.sleep(0.3)
         async with http.post(url + "/completion", json=request("Overflow", 50)) as resp:
             assert resp.status == 503 and resp.headers["Retry-After"] == "2"
-            assert (await resp.json())["error"]["code"] == "queue_full"
+            assert (await resp.json())["error"]["kvctl_code"] == "queue_full"
         assert_complete(list(await asyncio.gather(*running)), 4000)
         assert_complete([await queued], 50)
 
@@ -106,7 +106,9 @@ async def test_upstream_down_answers_503_at_once(start_server: ServerFactory, ht
         async with http.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}) as r:
             assert r.status == 503 and "Retry-After" in r.headers
             body = await r.json()
-            assert body["error"]["message"].startswith("kvctl:") and r.headers["X-Kvctl-Error"] == "1"
+            assert (
+                body["error"]["message"].startswith("kvctl:") and r.headers["X-Kvctl-Error"] == "upstream_unavailable"
+            )
 
 
 @pytest.mark.parametrize("drafting", [False, True], ids=["plain", "draft-mtp"])

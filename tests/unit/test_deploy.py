@@ -143,6 +143,10 @@ def test_systemd_units_keep_kvctl_beside_the_server() -> None:
     assert int(argv[argv.index("--port") + 1]) == SERVER_PORT
     assert {"-kvu", "--slots", "--metrics"} <= set(argv)
     assert kvctl["EnvironmentFile"] == ["/etc/kvctl/kvctl.env"]
+    # the drain and the spawned server's stop fit inside systemd's stop timeout
+    defaults = load_settings()
+    stop_s = int(kvctl["TimeoutStopSec"][0].removesuffix("s"))
+    assert stop_s >= defaults.proxy.drain_s + defaults.supervisor.stop_timeout_s
     assert server["EnvironmentFile"] == ["/etc/kvctl/llama-server.env"]
 
 
@@ -457,7 +461,7 @@ def k8s_documents() -> dict[tuple[str, str], dict[str, Any]]:
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
-def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     docs = k8s_documents()
     assert set(docs) == {
         ("ConfigMap", "kvctl"),
@@ -504,12 +508,24 @@ def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPa
     for name, value in config.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("KVCTL_ADMIN__TOKEN", "test-token")
+    keys_file = Path(config["KVCTL_PROXY__API_KEYS_FILE"])
+    (tmp_path / "keys").write_text("sk-test test\n")  # the Secret's file, here
+    monkeypatch.setenv("KVCTL_PROXY__API_KEYS_FILE", str(tmp_path / "keys"))
     settings = load_settings()
     assert split_host_port(settings.proxy.listen)[1] == PROXY_PORT
     assert split_host_port(settings.admin.listen)[1] == ADMIN_PORT
     assert settings.upstream.url.port == SERVER_PORT
     server_env = docs[("ConfigMap", "llama-server")]["data"]
     assert int(server_env["LLAMA_ARG_PARK_RAM"]) == settings.policy.snapshot_budget_mib
+
+    # the proxy on 0.0.0.0 lets no one in without a key: kvctl's keys come from a mounted Secret
+    mounts = {m["mountPath"]: m["name"] for m in kvctl["volumeMounts"]}
+    volume = mounts[str(keys_file.parent)]
+    assert next(v for v in pod["volumes"] if v["name"] == volume)["secret"]["secretName"] == "kvctl-api-keys"
+    # the shutdown fits: kvctl drains, then stops; the server outlives the drain (preStop sleep)
+    drain, stop = settings.proxy.drain_s, settings.supervisor.stop_timeout_s
+    assert pod["terminationGracePeriodSeconds"] >= drain + stop
+    assert server["lifecycle"]["preStop"]["sleep"]["seconds"] >= drain
 
 
 def test_k8s_manifest_matches_the_kubernetes_schemas() -> None:

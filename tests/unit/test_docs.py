@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.docs import main, metrics_table, settings_table
+from controller.docs import main, metrics_table, routes_table, settings_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+PROXY_DOC = README.parent / "docs" / "proxy.md"
 
 
 def test_the_readme_holds_the_current_settings_and_metrics_tables() -> None:
@@ -36,3 +37,8 @@ def test_the_command_prints_both(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
     assert settings_table() in out and metrics_table() in out
+
+
+def test_the_proxy_doc_holds_the_current_route_table() -> None:
+    assert routes_table() in PROXY_DOC.read_text(), "regenerate with: python -m controller.docs routes"
+    assert "docs/proxy.md" in README.read_text()
