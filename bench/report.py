@@ -79,6 +79,15 @@ SECTIONS = [
         "As on the CPU, 20 pairs of 128 tokens.",
     ),
     (
+        "proxy_auth.md",
+        "What the proxy's authentication costs",
+        "python -m bench.proxy_auth",
+        "Per-request latency on one patched server with `--api-key`, direct and through kvctl in each auth mode, "
+        "interleaved request by request; p50 added is against direct. The proxy runs without a control loop, "
+        "pinned to the other core. The server-checked mode asks the server about a credential once per "
+        "`auth_cache_s` (5 s), so its cost is the relay's, not a round trip per request.",
+    ),
+    (
         "soak.md",
         "Soak",
         "python -m bench.soak --minutes 10 --streams 16 --via-proxy",

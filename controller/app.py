@@ -130,7 +130,7 @@ class App:
         if self.supervisor is not None:
             self.supervisor.kill_hung(f"/kv not answered for {silent:.0f} s")
         elif not self._hung_reported:
-            log.error("upstream.hung", silent_s=round(silent, 1), error=self.loop.state.last_error)
+            log.error("upstream.not_answering", silent_s=round(silent, 1), error=self.loop.state.last_error)
         self._hung_reported = True
 
     def _update_gate(self) -> None:

@@ -18,7 +18,9 @@ from controller.settings import markdown_table
 __all__ = ["metrics_table", "routes_table", "settings_table"]
 
 WHAT_KIND_MEANS = {
-    Kind.GENERATION: "admission, kvctl's `X-Request-Id`, heartbeats while queued or parked, errors in the route's framing",
+    Kind.GENERATION: (
+        "admission, kvctl's `X-Request-Id`, heartbeats while queued or parked, errors in the route's framing"
+    ),
     Kind.PRIVATE: "refused (404) unless `proxy.expose_private_routes`; `GET /metrics` always",
     Kind.PUBLIC: "no credentials needed (as on the server)",
     Kind.CONVERSATION: "relayed byte for byte; with several kvctl keys, only the key that started the conversation",

@@ -405,25 +405,25 @@ class Proxy:
 
     async def cors_headers(self, request: web.Request) -> dict[str, str]:
         """The Access-Control-Allow-Origin the server would send to this request's Origin: asked of the server with
-        a preflight (answered before any routing or key check) and kept for a minute per Origin."""
+        a preflight (answered before any routing or key check) and kept for a minute per Origin. While the server
+        does not answer, the last answer for that Origin (none before the first)."""
         origin = request.headers.get("Origin", "")
         now = time.monotonic()
         hit = self._cors.get(origin)
-        if hit is None or hit[0] <= now:
-            value: str | None = hit[1] if hit else None
+        value = hit[1] if hit is not None else None
+        if (hit is None or hit[0] <= now) and self.gate.refuse_reason is None:
             assert self.session is not None
+            expiry = now + 60.0
             try:
                 async with asyncio.timeout(self.config.connect_timeout_s):
                     h = {"Origin": origin} if origin else {}
                     async with self.session.options(self.origin + "/health", headers=h) as r:
                         value = r.headers.get("Access-Control-Allow-Origin")
-                if len(self._cors) > 1024:
-                    self._cors.clear()
-                self._cors[origin] = (now + 60.0, value)
             except (aiohttp.ClientError, OSError, TimeoutError):
-                pass  # the server is down: the last answer for this Origin, if any
-        else:
-            value = hit[1]
+                expiry = now + 5.0  # not again for every error while the server is down
+            if len(self._cors) >= 1024:
+                self._cors.clear()
+            self._cors[origin] = (expiry, value)
         return {"Access-Control-Allow-Origin": value} if value is not None else {}
 
     async def kvctl_error(
@@ -525,7 +525,7 @@ class Proxy:
         # --- authentication, before anything else ---
         ident: Identity | None = Identity(None)
         if path not in PUBLIC_PATHS:
-            asset = request.method == "GET" and not self.routes.is_api_path(path)
+            asset = request.method in ("GET", "HEAD") and not self.routes.is_api_path(path)
             if self.keys:
                 ident = self.keys.check(request.headers)
                 if ident is None:
@@ -860,6 +860,7 @@ class Proxy:
                 return prepared
             return await self.kvctl_error(request, 503, message, "upstream_unavailable", self.config.retry_after_s)
         entry.upstream = upstream
+        entry.state = "streaming"  # the response has started: from here the read timeout applies
         try:
             is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             self.count(label, upstream.status)
@@ -888,7 +889,6 @@ class Proxy:
                 await resp.prepare(request)
                 await self.relay_bytes(request, upstream, resp, request_id)
                 return resp
-            entry.state = "streaming"
             await self.relay_events(request, upstream, resp, route, request_id, entry, owner)
             return resp
         except asyncio.CancelledError:

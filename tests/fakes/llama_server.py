@@ -86,6 +86,7 @@ class FakeLlamaServer:
         self.queued: dict[str, list[Reply]] = {}
         self.seen: list[Seen] = []
         self.health_status = 200
+        self.props: dict[str, Any] = {}  # a router answers {"role": "router", ...}
 
     def queue(self, route: str, *replies: Reply) -> None:
         """route: "GET /kv", "POST park", "POST resume", "GET /slots", "GET /health"."""
@@ -98,6 +99,7 @@ class FakeLlamaServer:
         app.router.add_post("/slots/{id}", self._action)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/props", self._props)
         return app
 
     async def _record(self, request: web.Request) -> None:
@@ -130,6 +132,9 @@ class FakeLlamaServer:
 
     async def _kv(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, "GET /kv", Reply(body=self.kv))
+
+    async def _props(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, "GET /props", Reply(body=self.props))
 
     async def _slots(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, "GET /slots", Reply(body=self.kv["slots"]))

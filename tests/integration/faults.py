@@ -302,13 +302,16 @@ def raw_request(
         sock.close()
 
 
-def assert_envelope(ans: RawAnswer, *, kvctl: bool | None = None) -> dict[str, Any]:
-    """The server's error body; kvctl=True: kvctl's own (marked kvctl: with a kvctl_code), False: the server's."""
+def assert_envelope(ans: RawAnswer, *, kvctl: bool | None = None, admin: bool = False) -> dict[str, Any]:
+    """An error body. kvctl=True: kvctl's own, which on the admin API (admin=True) is the OpenAI envelope (code a
+    string) and on the proxy the server's error body marked kvctl: with a kvctl_code; kvctl=False: the server's."""
     assert (ans.header("Content-Type") or "").startswith("application/json"), (ans.status, ans.body[:300])
     err = ans.json["error"]
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
-    if kvctl is True:
+    if kvctl is True and admin:
+        assert isinstance(err["code"], str) and "param" in err, err
+    elif kvctl is True:
         assert err["code"] == ans.status and isinstance(err["kvctl_code"], str), err
         assert err["message"].startswith("kvctl: ") and ans.header("X-Kvctl-Error") == err["kvctl_code"], err
     elif kvctl is False:

@@ -157,3 +157,43 @@ async def test_a_rejected_client_never_holds_a_queue_place(
     gate.update(None)
     for status, data in await asyncio.gather(*queued):
         assert status == 200 and b"[DONE]" in data
+
+
+async def test_with_several_keys_conversations_belong_to_the_key_that_started_them(
+    start_server: ServerFactory, start_proxy: ProxyFactory, http: aiohttp.ClientSession
+) -> None:
+    from controller.proxy.auth import ApiKey
+
+    srv = start_server(*POOL)
+    url = await start_proxy(srv.url, api_keys=(ApiKey(ALICE, "alice"), ApiKey(BOB, "bob")))
+    alice, bob = {"Authorization": f"Bearer {ALICE}"}, {"X-Api-Key": BOB}
+    conv = "conv-owned-by-alice"
+    body = {**SMALL_CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    completion_id = None
+    async with http.post(url + "/v1/chat/completions", json=body, headers={**alice, "X-Conversation-Id": conv}) as resp:
+        assert resp.status == 200
+        line = await resp.content.readline()
+        completion_id = json.loads(line.decode().removeprefix("data: "))["id"]
+        # still generating: Bob can neither see, read, stop nor steer it
+        lookup = {"conversation_ids": [conv]}
+        async with http.post(url + "/v1/streams/lookup", json=lookup, headers=bob) as r:
+            assert r.status == 200 and await r.json() == []
+        async with http.get(url + f"/v1/stream?conv_id={conv}&from=0", headers=bob) as r:
+            assert r.status == 404
+        async with http.delete(url + f"/v1/stream?conv_id={conv}", headers=bob) as r:
+            assert r.status == 204
+        control = {"id": completion_id, "action": "reasoning_end"}
+        async with http.post(url + "/v1/chat/completions/control", json=control, headers=bob) as r:
+            assert "no active completion" in await r.text()
+        async with http.post(url + "/v1/chat/completions/control", json=control, headers=alice) as r:
+            assert "no active completion" not in await r.text(), "Alice's own completion is found"
+        async with http.post(url + "/v1/streams/lookup", json=lookup, headers=alice) as r:
+            found = await r.json()
+            assert r.status == 200 and [s["conversation_id"] for s in found] == [conv]
+        async with http.get(url + f"/v1/stream?conv_id={conv}&from=0", headers=alice) as r:
+            assert r.status == 200
+            assert (await r.content.readline()).startswith(b"data: ")
+        async with http.delete(url + f"/v1/stream?conv_id={conv}", headers=alice) as r:
+            assert r.status == 204
+    async with http.post(srv.url + "/v1/streams/lookup", json={"conversation_ids": [conv]}) as r:
+        assert await r.json() == [], "Alice's Stop evicted it"

@@ -158,7 +158,7 @@ BODIES = st.one_of(
 def test_admin_slot_routes_with_garbage(stack: Stack, method: str, slot: str, action: str, body: bytes) -> None:
     target = f"/slots/{urllib.parse.quote(slot, safe='')}/{urllib.parse.quote(action, safe='')}"
     ans = raw_request(stack.admin_port, method, target, AUTH, body)
-    err = assert_envelope(ans, kvctl=True)
+    err = assert_envelope(ans, kvctl=True, admin=True)
     assert ans.header("X-Kvctl-Origin") == "kvctl"
     if action in ("park", "resume") and method == "POST":
         if slot.isascii() and slot.isdigit() and len(slot) <= 9:
@@ -205,7 +205,7 @@ def test_admin_refuses_every_other_credential(stack: Stack, value: bytes, path: 
         assert ans.status != 401
         return
     assert ans.status == 401, (value, ans.status, ans.body[:200])
-    err = assert_envelope(ans, kvctl=True)
+    err = assert_envelope(ans, kvctl=True, admin=True)
     assert err["type"] == "authentication_error" and TOKEN not in ans.body.decode("utf-8", "replace")
     still_serving(stack)
 
@@ -226,7 +226,7 @@ def test_admin_with_garbage_headers(stack: Stack, name: bytes, value: bytes, pat
     assert ans.status < 500, (name, value, ans.status, ans.body[:200])
     assert ans.header("X-Injected") is None
     if ans.status >= 400:
-        assert_envelope(ans, kvctl=True)
+        assert_envelope(ans, kvctl=True, admin=True)
     still_serving(stack)
 
 
@@ -237,7 +237,7 @@ def test_admin_without_a_token_and_with_a_huge_body(stack: Stack) -> None:
     # probes stay open to a load balancer
     assert raw_request(stack.admin_port, "GET", "/readyz").status in (200, 503)
     ans = raw_request(stack.admin_port, "POST", "/slots/0/park", AUTH, b"{" * (4 * 1024 * 1024))
-    assert ans.status == 409 and assert_envelope(ans, kvctl=True)["type"] == "conflict_error"
+    assert ans.status == 409 and assert_envelope(ans, kvctl=True, admin=True)["type"] == "conflict_error"
     ans = raw_request(stack.admin_port, "GET", "/status?" + "x" * 4000, AUTH)
     assert ans.status == 200
     still_serving(stack)
