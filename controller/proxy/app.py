@@ -887,7 +887,7 @@ class Proxy:
                     headers=self.response_headers(upstream, client_request_id, request_id, keep_length=True),
                 )
                 await resp.prepare(request)
-                await self.relay_bytes(request, upstream, resp, request_id)
+                await self.relay_bytes(request, upstream, resp, request_id, owner if is_sse else None)
                 return resp
             await self.relay_events(request, upstream, resp, route, request_id, entry, owner)
             return resp
@@ -962,10 +962,13 @@ class Proxy:
         upstream: aiohttp.ClientResponse,
         resp: web.StreamResponse,
         request_id: str | None,
+        owner: str | None = None,
     ) -> None:
         """Bytes as they arrive, nothing of kvctl's own; a silence past the read timeout, or kvctl ending the
-        request, aborts the connection (a client that counts bytes then resumes where it stopped)."""
+        request, aborts the connection (a client that counts bytes then resumes where it stopped). With ``owner``
+        (a conversation stream, several keys), the first event's completion id is recorded for that key."""
         last = time.monotonic()
+        framer = SSEFramer() if owner is not None else None
         while True:
             try:
                 chunk = await self._read(upstream)
@@ -985,6 +988,12 @@ class Proxy:
                 await resp.write_eof()
                 return
             last = time.monotonic()
+            if framer is not None and owner is not None:
+                for event in framer.feed(chunk):  # a read-only copy: the client gets the chunk as it is
+                    if has_data(event):
+                        self._record_completion_id(event, owner)
+                        framer = None
+                        break
             await self.write(request, resp, chunk)
 
     @staticmethod
