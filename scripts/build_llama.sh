@@ -81,7 +81,8 @@ if command -v flock >/dev/null 2>&1; then
     flock 9
 fi
 
-if [ "$force" = 0 ] && [ -x "$binary" ]; then
+# an entry from before the route table was kept (src/server.cpp) is rebuilt: ccache makes that quick
+if [ "$force" = 0 ] && [ -x "$binary" ] && [ -f "$entry/src/server.cpp" ]; then
     log "cache hit: $entry (patches $series_hash)"
     echo "$binary"
     exit 0
