@@ -114,13 +114,14 @@ class App:
         (its HTTP thread may still answer /health). Requests still waiting for its response end, and a spawned
         server is killed, so the supervisor restarts it."""
         limit = self.settings.proxy.upstream_read_timeout_s
-        since = self.loop.state.last_poll_monotonic
+        # an error answer (a 401, a 503 while loading) is an answer: only silence (timeouts, refused connections)
+        since = self.loop.state.last_answer_monotonic
         if self.supervisor is not None and self.supervisor.status.ready_since_unix is not None:
             # a (re)started server's clock starts when it is ready, not at the last answer of the one before
             ready_for = time.time() - self.supervisor.status.ready_since_unix
             since = max(since or 0.0, time.monotonic() - ready_for)
         silent = time.monotonic() - (since if since is not None else self._started_monotonic)
-        if self.loop.state.upstream_up or silent < limit:
+        if silent < limit:
             self._hung_reported = False
             return
         if self.proxy is not None:

@@ -102,6 +102,8 @@ class LoopState:
     last_error: str | None = None
     polls: int = 0
     last_poll_monotonic: float | None = None
+    last_answer_monotonic: float | None = None
+    """When the server last answered a poll at all (an API error is an answer: its main loop is not hung)."""
     snapshot_asked_monotonic: float | None = None
     """When the current snapshot was asked for: what the proxy admitted after it is not in it."""
     heartbeat_monotonic: float = field(default_factory=time.monotonic)
@@ -257,8 +259,11 @@ class ControlLoop:
         try:
             kv = await self.client.get_kv()
         except UpstreamError as e:
+            if not isinstance(e, UpstreamUnavailable):
+                self.state.last_answer_monotonic = time.monotonic()
             self._down(e)
             return False
+        self.state.last_answer_monotonic = time.monotonic()
         self._up(kv)
         self.state.snapshot_asked_monotonic = asked
         await self.read_gpu()

@@ -482,7 +482,7 @@ def _describe(exc: ValidationError) -> str:
             parts.append(f"unknown setting {name}")
             continue
         msg = err["msg"].removeprefix("Value error, ")
-        secret = name.endswith(("token", "api_key"))
+        secret = name.endswith(("token", "api_key")) or "api_keys" in name
         shown = repr(err.get("input"))
         got = "" if secret or isinstance(err.get("input"), dict) or shown in msg else f", got {shown}"
         parts.append(f"invalid setting {name} ({env_name(name)}): {msg}{got}")

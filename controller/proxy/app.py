@@ -32,6 +32,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from yarl import URL
 
 from controller.httputil import unsupported_expect
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
@@ -61,6 +62,8 @@ HOP_BY_HOP = frozenset(
 CREDENTIALS = ("authorization", "x-api-key")
 # routes polled many times a second: no access-log line
 QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+# after the drain: how long the ended streams get to send their error event, and other relays to finish
+DRAIN_GRACE_S = 2.0
 # the server's limit on a request body (cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH)
 SERVER_MAX_BODY_BYTES = 100 * 1024 * 1024
 
@@ -295,6 +298,9 @@ class Owners:
     def owns(self, ident: str, owner: str | None) -> bool:
         return self._owner.get(ident) == owner
 
+    def get(self, ident: str) -> str | None:
+        return self._owner.get(ident)
+
 
 def unowned_id() -> str:
     """An id no stream or completion has: the server answers for it as for one it does not know."""
@@ -326,6 +332,7 @@ class Proxy:
         self._idle = asyncio.Event()
         self._idle.set()
         self._cors: dict[str, tuple[float, str | None]] = {}  # Origin -> (expiry, Access-Control-Allow-Origin)
+        self._cors_window: list[float] = [0.0, 0]  # (window start, preflights in it)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -359,7 +366,7 @@ class Proxy:
         # what is not a generation (a relayed download, a conversation stream) ends with its connection
         rest = [t for t in self._active if not t.done()]
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), 2.0)
+            await asyncio.wait_for(self._idle.wait(), DRAIN_GRACE_S)
         for t in rest:
             t.cancel()
         return len(left)
@@ -411,7 +418,7 @@ class Proxy:
         now = time.monotonic()
         hit = self._cors.get(origin)
         value = hit[1] if hit is not None else None
-        if (hit is None or hit[0] <= now) and self.gate.refuse_reason is None:
+        if (hit is None or hit[0] <= now) and self.gate.refuse_reason is None and self._cors_budget(now):
             assert self.session is not None
             expiry = now + 60.0
             try:
@@ -425,6 +432,14 @@ class Proxy:
                 self._cors.clear()
             self._cors[origin] = (expiry, value)
         return {"Access-Control-Allow-Origin": value} if value is not None else {}
+
+    def _cors_budget(self, now: float) -> bool:
+        """At most 10 preflights a second to learn CORS answers: a client sending a new Origin with every
+        unauthenticated request must not turn kvctl into an amplifier against the server."""
+        if now - self._cors_window[0] >= 1.0:
+            self._cors_window = [now, 0]
+        self._cors_window[1] += 1
+        return self._cors_window[1] <= 10
 
     async def kvctl_error(
         self, request: web.Request, status: int, message: str, code: str, retry_after: int | None = None
@@ -508,15 +523,11 @@ class Proxy:
             # the upstream URL is normalized on the way out: /v1/../kv would reach the server as /kv, past the
             # private-route check below
             return await self.kvctl_error(request, 400, f"path with dot segments: {path!r}", "invalid_path"), None
-        if self.draining:
-            return await self.kvctl_error(
-                request, 503, "kvctl is shutting down", "shutting_down", self.config.retry_after_s
-            ), None
         if request.method == "OPTIONS":
             # a CORS preflight: browsers send no credentials, and the server answers it before any check
             return await self.relay(request, None, None), None
         route = self.routes.lookup(request.method, path)
-        if request.method == "GET" and path == "/metrics":
+        if route is not None and route.path == "/metrics":
             # kvctl's public metrics (a later issue); the server's llamacpp:* series never leave through the proxy
             return await self.kvctl_error(
                 request, 404, "no route GET /metrics on the public listener", "not_found"
@@ -556,6 +567,10 @@ class Proxy:
                     headers.update(await self.cors_headers(request))
                     return web.Response(status=answer.status, body=answer.body, headers=headers), None
 
+        if self.draining:
+            return await self.kvctl_error(
+                request, 503, "kvctl is shutting down", "shutting_down", self.config.retry_after_s
+            ), ident
         if route is not None and route.kind is Kind.PRIVATE and not self.config.expose_private_routes:
             return await self.kvctl_error(
                 request, 404, f"no route {request.method} {path} on the public listener", "not_found"
@@ -577,10 +592,16 @@ class Proxy:
             fixed = [
                 (k, unowned_id() if k == "conv_id" and v and not self.owners.owns(v, owner) else v) for k, v in query
             ]
-            return await self.relay(request, route, ident, query=urlencode(fixed), raw=request.method == "GET")
+            # no body: cpp-httplib would read a form body's conv_id into the same parameters, past the check above
+            return await self.relay(
+                request, route, ident, body=b"", query=urlencode(fixed), raw=request.method == "GET"
+            )
         body = await request.read()  # /v1/chat/completions/control
-        with contextlib.suppress(ValueError, RecursionError):
-            payload = json.loads(body)
+        with contextlib.suppress(ValueError):
+            try:
+                payload = json.loads(body)
+            except RecursionError:
+                return await self.kvctl_error(request, 400, "request body nested too deeply", "body_too_deep")
             cid = payload.get("id") if isinstance(payload, dict) else None
             if isinstance(cid, str) and cid and not self.owners.owns("cmpl:" + cid, owner):
                 payload["id"] = unowned_id()
@@ -625,16 +646,28 @@ class Proxy:
         request_id = f"kvctl-{uuid.uuid4().hex}"
         _request_id.set(request_id)
         body = await request.read()
-        conversation = request.headers.get("X-Conversation-Id", "")
+        conversations = request.headers.getall("X-Conversation-Id", [])
+        if len(conversations) > 1:
+            # which one the server takes depends on its header map's order: refuse rather than guess
+            return await self.kvctl_error(request, 400, "more than one X-Conversation-Id header", "invalid_header")
+        conversation = conversations[0] if conversations else ""
         multipart = request.content_type.startswith("multipart/")
         payload: Any = None
+        too_deep = False
         if not multipart:
             try:
                 payload = json.loads(body)
-            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
+            except ValueError:
                 payload = None
+            except RecursionError:  # nested deeper than Python's parser goes; the server's parser has no limit
+                too_deep = True
+        predict = route.path == self.config.predict_route
+        if predict and (too_deep or (isinstance(payload, dict) and self.predict_refused(payload))):
+            return await self.kvctl_error(
+                request, 400, "a predict instance may only target a completion or a relayed route", "invalid_predict"
+            )
         headers = self.upstream_headers(request, request_id, ident, generation=True)
-        if not multipart and (not isinstance(payload, dict) or refused_by_server(route.path, payload)):
+        if not multipart and not too_deep and (not isinstance(payload, dict) or refused_by_server(route.path, payload)):
             # malformed: the server answers it at once, exactly as it would without kvctl; it takes no cells, so it
             # must not wait in the admission queue for a slot it would never use
             return await self.forward(request, body, headers, route, request_id, client_request_id, stream=False)
@@ -645,6 +678,12 @@ class Proxy:
             )
         owner = ident.name if ident is not None and len(self.keys) > 1 else None
         if conversation and owner is not None:
+            current = self.owners.get(conversation)
+            if current is not None and current != owner:
+                # the server would replace that conversation's stream: another key's chat is not this key's to end
+                return await self.kvctl_error(
+                    request, 409, "this conversation id belongs to another key", "conversation_taken"
+                )
             self.owners.set(conversation, owner)
 
         entry = Inflight(request_id, client_request_id, route.path, time.monotonic())
@@ -667,9 +706,9 @@ class Proxy:
                 # a resumable stream's bytes are counted by its client: nothing of kvctl's own goes into it
                 if conversation:
                     early = None
-                    await self.admit_conversation(request.method, request.path_qs, body, headers, cells)
+                    await self.admit_conversation(request.method, request.raw_path, body, headers, cells)
                 else:
-                    early = await self.wait_for_admission(request, stream, cells, route)
+                    early = await self.wait_for_admission(request, stream, cells, route, entry)
             except AdmissionRefused as e:
                 return await self.refuse(request, route, e.prepared, str(e.__cause__), e.code)
             self.metrics.admission_wait.observe(time.monotonic() - t_queue)
@@ -690,6 +729,20 @@ class Proxy:
         finally:
             self.inflight.pop(request_id, None)
             self.metrics.inflight.dec()
+
+    def predict_refused(self, payload: dict[str, Any]) -> bool:
+        """A predict request with an instance aimed at a private, conversation or control route (the server
+        dispatches each instance to any registered handler named by its @requestFormat)."""
+        instances = payload.get("instances")
+        if not isinstance(instances, list):
+            return False
+        for instance in instances:
+            fmt = instance.get("@requestFormat") if isinstance(instance, dict) else None
+            if isinstance(fmt, str) and any(
+                r.kind in (Kind.PRIVATE, Kind.CONVERSATION, Kind.CONTROL) for r in self.routes.predict_targets(fmt)
+            ):
+                return True
+        return False
 
     async def admit_conversation(
         self, method: str, path_qs: str, body: bytes, headers: dict[str, str], cells: int
@@ -722,7 +775,8 @@ class Proxy:
             assert self.session is not None
             try:
                 # the response starting means the server took it; its stream buffer has the rest
-                async with self.session.request(method, self.origin + path_qs, data=body, headers=headers) as r:
+                url = URL(self.origin + path_qs, encoded=True)
+                async with self.session.request(method, url, data=body, headers=headers) as r:
                     log.info(
                         "conversation.sent_for_departed_client", status=r.status, request_id=headers.get("X-Request-Id")
                     )
@@ -741,10 +795,11 @@ class Proxy:
         return await self.kvctl_error(request, 503, message, code, self.config.retry_after_s)
 
     async def wait_for_admission(
-        self, request: web.Request, stream: bool, cells: int, route: Route
+        self, request: web.Request, stream: bool, cells: int, route: Route, entry: Inflight
     ) -> web.StreamResponse | None:
         """Queue while the gate holds; a streaming client waiting past the grace period gets
-        SSE headers and heartbeats, so neither it nor a reverse proxy in between times out."""
+        SSE headers and heartbeats, so neither it nor a reverse proxy in between times out. kvctl ending the
+        request (a shutdown) ends the wait too."""
         if self.queue.queued == 0 and self.gate.take(cells):
             return None
         self.metrics.queued.inc()
@@ -754,7 +809,11 @@ class Proxy:
             deadline = time.monotonic() + self.config.queue_grace_s
             while True:
                 wait = deadline - time.monotonic() if prepared is None else self.config.heartbeat_s
-                done, _ = await asyncio.wait({admit}, timeout=max(0.0, wait))
+                either: set[asyncio.Future[Any]] = {admit, entry.ended}
+                done, _ = await asyncio.wait(either, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED)
+                if entry.ended.done():
+                    message, code = self.end_message(entry.ended.result())
+                    raise AdmissionRefused(prepared, code) from RuntimeError(message)
                 if done:
                     try:
                         admit.result()
@@ -767,7 +826,8 @@ class Proxy:
                     deadline = float("inf")
                     continue
                 if prepared is None:
-                    prepared = await self.prepare_sse(request, await self.cors_headers(request))
+                    ids = {"X-Request-Id": entry.client_request_id or entry.request_id}
+                    prepared = await self.prepare_sse(request, {**await self.cors_headers(request), **ids})
                 await self.heartbeat(request, prepared, "queued")
         finally:
             if not admit.done():
@@ -802,17 +862,20 @@ class Proxy:
     ) -> tuple[Any, aiohttp.ClientResponse]:
         """Send the request; wait for the response to start, or for kvctl to end the request (a hung server)."""
         assert self.session is not None
-        cm = self.session.request(request.method, url, data=body if body else None, headers=headers)
+        cm = self.session.request(request.method, URL(url, encoded=True), data=body if body else None, headers=headers)
         opening: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(cm.__aenter__())
         either: set[asyncio.Future[Any]] = {opening, entry.ended}
         try:
-            done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            opening.cancel()  # the client left: the request is withdrawn (its connection closes)
+            # the client left: the request is withdrawn, and a response that started meanwhile is closed
+            opening.cancel()
+            opening.add_done_callback(_close_response)
             raise
-        if opening in done:
+        if opening.done() and not entry.ended.done():
             return cm, opening.result()
         opening.cancel()
+        opening.add_done_callback(_close_response)
         with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
             await opening
         raise UpstreamEnded(entry.ended.result())
@@ -841,7 +904,9 @@ class Proxy:
         if entry is None:  # not a generation: tracked only so that a hung server or a shutdown can end it
             entry = Inflight(request_id or "", client_request_id, label, time.monotonic(), state="upstream")
             self.relays.add(entry)
-        path_qs = request.path_qs if query is None else request.path + ("?" + query if query else "")
+        # the path and query as the client sent them (a decoded %23 or %26 would change what the server reads)
+        raw_path = request.raw_path.split("?", 1)[0]
+        path_qs = request.raw_path if query is None else raw_path + ("?" + query if query else "")
         url = self.origin + path_qs
         try:
             try:
@@ -869,9 +934,8 @@ class Proxy:
             if prepared is not None:
                 if not is_sse or upstream.status != 200:
                     # too late for a status: the server's error becomes an error event in the route's framing
-                    await self.write(
-                        request, prepared, self.error_from_body(route, upstream.status, await upstream.read())
-                    )
+                    data = await self._read_all(upstream)
+                    await self.write(request, prepared, self.error_from_body(route, upstream.status, data or b""))
                     return prepared
                 resp = prepared
             elif generation and is_sse and upstream.status == 200 and not raw:
@@ -935,7 +999,9 @@ class Proxy:
         self, request: web.Request, upstream: aiohttp.ClientResponse, owner: str
     ) -> web.StreamResponse:
         """POST /v1/streams/lookup with several keys: only the conversations this key started (a small JSON list)."""
-        data = await upstream.read()
+        data = await self._read_all(upstream)
+        if data is None:
+            return await self.kvctl_error(request, 502, "llama-server went away mid-answer", "upstream_disconnected")
         if upstream.status == 200:
             with contextlib.suppress(ValueError, RecursionError):
                 doc = json.loads(data)
@@ -947,6 +1013,14 @@ class Proxy:
         return web.Response(
             status=upstream.status, body=data, headers=self.response_headers(upstream, None, None, keep_length=False)
         )
+
+    async def _read_all(self, upstream: aiohttp.ClientResponse) -> bytes | None:
+        """A small answer kvctl reads whole (an error body, a stream lookup); None when it does not come."""
+        try:
+            async with asyncio.timeout(self.config.upstream_read_timeout_s):
+                return await upstream.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     async def _read(self, upstream: aiohttp.ClientResponse) -> bytes | None:
         """The next chunk; None when heartbeat_s passed without one (the caller decides about the silence)."""
@@ -1065,6 +1139,11 @@ class Proxy:
                     if isinstance(doc, dict) and isinstance(doc.get("id"), str):
                         self.owners.set("cmpl:" + doc["id"], owner)
                 return
+
+
+def _close_response(fut: asyncio.Future[aiohttp.ClientResponse]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().close()
 
 
 class UpstreamEnded(Exception):

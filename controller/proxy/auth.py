@@ -182,7 +182,7 @@ class ServerCheck:
         self.ttl_refused_s = ttl_refused_s
         self._max = max_entries
         self._cache: OrderedDict[bytes, tuple[float, Answer]] = OrderedDict()
-        self._pending: dict[bytes, asyncio.Future[Answer]] = {}
+        self._pending: dict[bytes, asyncio.Future[Answer]] = {}  # checks under way, by credential
 
     @staticmethod
     def _cache_key(headers: Mapping[str, str]) -> bytes:
@@ -196,25 +196,23 @@ class ServerCheck:
         hit = self._cache.get(key)
         if hit is not None and hit[0] > now:
             return hit[1]
-        pending = self._pending.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._pending[key] = fut
-        try:
+        task = self._pending.get(key)
+        if task is None:
+            # its own task: a caller that is cancelled (its client left) cancels neither the check nor the others
             creds = {h: headers[h] for h in ("Authorization", "X-Api-Key") if h in headers}
-            answer = await self._probe(creds)
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: no "never retrieved" warning when nobody else waited
-            raise
-        finally:
-            self._pending.pop(key, None)
-        fut.set_result(answer)
+            task = asyncio.ensure_future(self._probe(creds))
+            self._pending[key] = task
+            task.add_done_callback(lambda t: self._done(key, t))
+        return await asyncio.shield(task)
+
+    def _done(self, key: bytes, task: asyncio.Future[Answer]) -> None:
+        self._pending.pop(key, None)
+        if task.cancelled() or task.exception() is not None:
+            return
+        answer = task.result()
         if answer.status in (200, 401):  # a 503 while the model loads says nothing about the credential
             ttl = self.ttl_s if answer.status == 200 else self.ttl_refused_s
-            self._cache[key] = (now + ttl, answer)
+            self._cache[key] = (time.monotonic() + ttl, answer)
             self._cache.move_to_end(key)
             while len(self._cache) > self._max:
                 self._cache.popitem(last=False)
-        return answer

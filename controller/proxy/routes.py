@@ -136,7 +136,12 @@ class RouteTable:
             self._exact[("POST", predict_route)] = Route("POST", predict_route, G)
 
     def lookup(self, method: str, path: str) -> Route | None:
-        """The route the server would dispatch to, or None (an asset, or no such route)."""
+        """The route the server would dispatch to, or None (an asset, or no such route). HEAD is answered by the
+        GET handlers (cpp-httplib). A path below a parameter route (``/slots/0/``, ``/slots/0/x``) counts as that
+        route: cpp-httplib's matcher takes a trailing separator, and erring towards the route keeps every path
+        the server might dispatch to a private handler private."""
+        if method == "HEAD":
+            method = "GET"
         if self.api_prefix:
             if not path.startswith(self.api_prefix + "/"):
                 return None
@@ -145,10 +150,35 @@ class RouteTable:
         if route is not None:
             return route
         for m, prefix, r in self._param:
-            rest = path[len(prefix) :]
-            if m == method and path.startswith(prefix) and rest and "/" not in rest:
+            if m == method and path.startswith(prefix) and len(path) > len(prefix):
                 return r
         return None
+
+    def is_api_path(self, path: str) -> bool:
+        """Whether any method of the server's API answers at this path (so it is not a static asset)."""
+        return any(self.lookup(m, path) is not None for m in ("GET", "POST", "DELETE"))
+
+    def predict_targets(self, request_format: str) -> list[Route]:
+        """The routes a Vertex AI predict instance's ``@requestFormat`` may dispatch to (server-http.cpp: any
+        registered path, whatever its method, or its camelCase alias such as ``chatCompletions``)."""
+        return [r for r in ROUTES if request_format in (r.path, gcp_alias(r.path))]
+
+
+def gcp_alias(path: str) -> str:
+    """server-http.cpp path_to_gcp_format: "/v1/chat/completions" -> "chatCompletions", "/apply-template" ->
+    "applyTemplate"; stops at a path parameter."""
+    s = path[3:] if len(path) > 3 and path.startswith("/v1") else path
+    s = s.removeprefix("/")
+    out, cap = [], False
+    for c in s:
+        if c == ":":
+            break
+        if c in "/-_":
+            cap = True
+        else:
+            out.append(c.upper() if cap else c)
+            cap = False
+    return "".join(out)
 
     def is_api_path(self, path: str) -> bool:
         """Whether any method of the server's API answers at this path (so it is not a static asset)."""

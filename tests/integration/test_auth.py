@@ -182,6 +182,14 @@ async def test_with_several_keys_conversations_belong_to_the_key_that_started_th
             assert r.status == 404
         async with http.delete(url + f"/v1/stream?conv_id={conv}", headers=bob) as r:
             assert r.status == 204
+        # nor replace it with one of his own under the same id
+        taken = {"X-Conversation-Id": conv, **bob}
+        async with http.post(url + "/v1/chat/completions", json=body, headers=taken) as r:
+            assert r.status == 409 and (await r.json())["error"]["kvctl_code"] == "conversation_taken"
+        # a form body naming her conversation does not get past the check of the query either
+        form = {"Content-Type": "application/x-www-form-urlencoded", **bob}
+        async with http.delete(url + "/v1/stream?conv_id=mine", data=f"conv_id={conv}", headers=form) as r:
+            assert r.status == 204
         control = {"id": completion_id, "action": "reasoning_end"}
         async with http.post(url + "/v1/chat/completions/control", json=control, headers=bob) as r:
             assert "no active completion" in await r.text()

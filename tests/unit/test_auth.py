@@ -126,3 +126,29 @@ async def test_server_check_keeps_no_answer_that_is_not_about_the_credential() -
     with pytest.raises(OSError):
         await check.check(h(Authorization="k"))
     assert (await check.check(h(Authorization="k"))).status == 200
+
+
+async def test_a_cancelled_first_check_does_not_fail_the_others() -> None:
+    release = asyncio.Event()
+
+    async def probe(creds: dict[str, str]) -> Answer:
+        await release.wait()
+        return Answer(200)
+
+    check = ServerCheck(probe)
+    first = asyncio.create_task(check.check(h(Authorization="k")))
+    second = asyncio.create_task(check.check(h(Authorization="k")))
+    await asyncio.sleep(0.01)
+    first.cancel()  # its client hung up
+    await asyncio.sleep(0.01)
+    release.set()
+    assert (await second).status == 200
+    assert first.cancelled()
+
+
+def test_a_malformed_key_entry_is_named_never_shown() -> None:
+    for entries in ([["sk-secret-1", "team"]], [{"key": "sk-secret-1", "nmae": "x"}], [12345678]):
+        with pytest.raises(SettingsError) as e:
+            load_settings(overrides={"proxy": {"api_keys": entries}})
+        assert "proxy.api_keys" in str(e.value)
+        assert "sk-secret" not in str(e.value) and "12345678" not in str(e.value)

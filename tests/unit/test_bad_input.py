@@ -150,7 +150,6 @@ async def test_requests_the_server_refuses_at_once_skip_the_admission_queue(
     server, gate = proxy
     gate.update("test: hold everything")
     bodies = [
-        ("/completion", b"[" * 100_000),  # deeper than Python's JSON parser goes
         ("/completion", b'{"prompt": null}'),
         ("/completion", b'{"prompt": "x", "stream": "yes"}'),
         ("/v1/completions", b"{}"),
@@ -161,3 +160,57 @@ async def test_requests_the_server_refuses_at_once_skip_the_admission_queue(
         ans = await raw(server, "POST", route, body=body)
         assert time.monotonic() - t0 < 1.0, (route, "waited in the queue")
         assert (ans.status, ans.body) == (404, b"404: Not Found"), "the fake's own answer: it was forwarded"
+    # nested deeper than Python's parser goes, it may still be a valid request to the server's parser: it waits
+    # its turn like any other rather than slipping past admission
+    deep = asyncio.create_task(
+        raw(server, "POST", "/completion", body=b'{"prompt": "x", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    )
+    await asyncio.sleep(0.5)
+    assert not deep.done()
+    gate.update(None)
+    assert (await deep).status == 404
+
+
+async def test_no_spelling_of_a_private_route_reaches_the_server(
+    proxy: tuple[TestServer, AdmissionGate], fake: tuple[FakeLlamaServer, TestServer]
+) -> None:
+    server, _ = proxy
+    for method, target in (
+        ("POST", "/slots/0/?action=park"),
+        ("POST", "/slots/0%2F?action=erase"),
+        ("HEAD", "/kv"),
+        ("HEAD", "/slots"),
+        ("HEAD", "/metrics"),
+    ):
+        ans = await raw(server, method, target)
+        assert ans.status == 404, (method, target)
+    assert fake[0].seen == [], "nothing reached the server"
+
+
+async def test_predict_instances_cannot_reach_private_routes(fake: tuple[FakeLlamaServer, TestServer]) -> None:
+    config = ProxyConfig(upstream=str(fake[1].make_url("")).rstrip("/"), predict_route="/predict")
+    server = TestServer(make_proxy_app(config, AdmissionGate(), CollectorRegistry()))
+    await server.start_server()
+    try:
+        for fmt in ("kv", "/slots/:id_slot", "slots", "stream", "chatCompletionsControl", "metrics"):
+            body = json.dumps({"instances": [{"@requestFormat": "chatCompletions"}, {"@requestFormat": fmt}]})
+            ans = await raw(server, "POST", "/predict?id_slot=0&action=park", body=body.encode())
+            assert ans.status == 400 and ans.error["code"] == "invalid_predict", fmt
+        deep = b'{"instances": [' + b"[" * 5000 + b"]" * 5000 + b"]}"
+        ans = await raw(server, "POST", "/predict", body=deep)
+        assert ans.status == 400 and ans.error["code"] == "invalid_predict"
+        assert fake[0].seen == []
+    finally:
+        await server.close()
+
+
+async def test_two_conversation_ids_are_refused(
+    proxy: tuple[TestServer, AdmissionGate], fake: tuple[FakeLlamaServer, TestServer]
+) -> None:
+    server, _ = proxy
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    ans = await raw(
+        server, "POST", "/v1/chat/completions", (b"X-Conversation-Id", b"a"), (b"x-conversation-id", b"b"), body=body
+    )
+    assert ans.status == 400 and ans.error["code"] == "invalid_header"
+    assert fake[0].seen == []

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from controller.proxy.app import DRAIN_GRACE_S
 from controller.settings import Settings, load_settings, split_host_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def test_systemd_units_keep_kvctl_beside_the_server() -> None:
     # the drain and the spawned server's stop fit inside systemd's stop timeout
     defaults = load_settings()
     stop_s = int(kvctl["TimeoutStopSec"][0].removesuffix("s"))
-    assert stop_s >= defaults.proxy.drain_s + defaults.supervisor.stop_timeout_s
+    assert stop_s >= defaults.proxy.drain_s + DRAIN_GRACE_S + defaults.supervisor.stop_timeout_s
     assert server["EnvironmentFile"] == ["/etc/kvctl/llama-server.env"]
 
 
@@ -524,8 +525,8 @@ def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPa
     assert next(v for v in pod["volumes"] if v["name"] == volume)["secret"]["secretName"] == "kvctl-api-keys"
     # the shutdown fits: kvctl drains, then stops; the server outlives the drain (preStop sleep)
     drain, stop = settings.proxy.drain_s, settings.supervisor.stop_timeout_s
-    assert pod["terminationGracePeriodSeconds"] >= drain + stop
-    assert server["lifecycle"]["preStop"]["sleep"]["seconds"] >= drain
+    assert pod["terminationGracePeriodSeconds"] >= drain + DRAIN_GRACE_S + stop
+    assert server["lifecycle"]["preStop"]["sleep"]["seconds"] >= drain + DRAIN_GRACE_S
 
 
 def test_k8s_manifest_matches_the_kubernetes_schemas() -> None:

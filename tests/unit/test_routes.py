@@ -68,7 +68,8 @@ def test_lookup_with_prefix_parameters_and_predict_route() -> None:
     assert t.lookup("POST", "/api/v1/messages").kind is Kind.GENERATION  # type: ignore[union-attr]
     assert t.lookup("POST", "/v1/messages") is None, "without the prefix the server has no such route"
     assert t.lookup("POST", "/api/slots/12").kind is Kind.PRIVATE  # type: ignore[union-attr]
-    assert t.lookup("POST", "/api/slots/") is None and t.lookup("POST", "/api/slots/1/x") is None
+    assert t.lookup("POST", "/api/slots/") is None
+    assert t.lookup("POST", "/api/slots/1/x").kind is Kind.PRIVATE  # type: ignore[union-attr]
     assert t.lookup("POST", "/api/predict").kind is Kind.GENERATION  # type: ignore[union-attr]
     assert t.lookup("GET", "/api/index.html") is None and not t.is_api_path("/api/index.html")
     assert t.is_api_path("/api/v1/stream")
@@ -79,3 +80,22 @@ def test_predict_route_as_the_server_reads_it() -> None:
     assert predict_route_from_env({"AIP_MODE": "PREDICTION"}) == "/predict"
     assert predict_route_from_env({"AIP_MODE": "PREDICTION", "AIP_PREDICT_ROUTE": "v1/p"}) == "/v1/p"
     assert predict_route_from_env({"AIP_MODE": "other", "AIP_PREDICT_ROUTE": "/p"}) is None
+
+
+def test_head_is_get_and_every_path_below_slots_is_the_slot_route() -> None:
+    t = RouteTable()
+    assert t.lookup("HEAD", "/kv").kind is Kind.PRIVATE  # type: ignore[union-attr]
+    assert t.lookup("HEAD", "/metrics").kind is Kind.PRIVATE  # type: ignore[union-attr]
+    for path in ("/slots/0", "/slots/0/", "/slots/0/x", "/slots/%30"):
+        assert t.lookup("POST", path).kind is Kind.PRIVATE, path  # type: ignore[union-attr]
+
+
+def test_predict_targets_by_path_or_alias_whatever_the_method() -> None:
+    t = RouteTable()
+    assert {r.kind for r in t.predict_targets("chatCompletions")} == {Kind.GENERATION}
+    assert {r.kind for r in t.predict_targets("/v1/messages")} == {Kind.GENERATION}
+    assert {r.kind for r in t.predict_targets("kv")} == {Kind.PRIVATE}
+    assert {r.kind for r in t.predict_targets("/slots/:id_slot")} == {Kind.PRIVATE}
+    assert Kind.CONVERSATION in {r.kind for r in t.predict_targets("stream")}
+    assert Kind.CONTROL in {r.kind for r in t.predict_targets("chatCompletionsControl")}
+    assert t.predict_targets("nothing") == []
