@@ -44,7 +44,13 @@ TOKEN = "fuzz-token-5b1c"
 AUTH = [(b"Authorization", b"Bearer " + TOKEN.encode())]
 MAX_BODY = 256 * 1024
 N_SLOTS = 2
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# CI runs the same examples every time (a red CI must be reproducible); a developer's run explores new ones
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=bool(os.environ.get("CI")),
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @dataclass
@@ -326,8 +332,9 @@ def test_proxy_generation_routes_with_garbage(stack: Stack, route: str, body: by
             assert ans.status == 400
         else:
             err = assert_envelope(ans, kvctl=False)
-            # the server's own 500 for a body that is not JSON is upstream behaviour (see the report)
-            assert ans.status < 500 or "parse_error" in err["message"], err
+            # the server's own 500 for a body that is not JSON, or a JSON value of the wrong type where it expects a
+            # string ({"role": null}), is upstream behaviour (see the report); kvctl relays it as it is (server_said)
+            assert ans.status < 500 or "parse_error" in err["message"] or "json.exception" in err["message"], err
     still_serving(stack)
 
 
