@@ -237,6 +237,37 @@ def _predict_route(instance: dict[str, Any]) -> str:
     )
 
 
+def brackets_balanced(body: bytes) -> bool:
+    """Whether every ``[`` and ``{`` outside strings is closed, in order, and nothing but whitespace follows: what
+    a JSON document too deep for Python's parser needs to be valid (iterative, so any depth)."""
+    closing = {ord("["): ord("]"), ord("{"): ord("}")}
+    stack: list[int] = []
+    in_string = escaped = False
+    ended = False
+    for c in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+            continue
+        if ended:
+            if c not in b" \t\r\n":
+                return False
+            continue
+        if c == 0x22:
+            in_string = True
+        elif c in closing:
+            stack.append(closing[c])
+        elif c in (0x5D, 0x7D):
+            if not stack or stack.pop() != c:
+                return False
+            ended = not stack
+    return ended
+
+
 def error_object(status: int, message: str, code: str) -> dict[str, Any]:
     """The server's error object ({code, message, type}), marked as kvctl's: the message starts with ``kvctl:``
     and ``kvctl_code`` names the reason."""
@@ -659,8 +690,11 @@ class Proxy:
                 payload = json.loads(body)
             except ValueError:
                 payload = None
-            except RecursionError:  # nested deeper than Python's parser goes; the server's parser has no limit
-                too_deep = True
+            except RecursionError:
+                # nested deeper than Python's parser goes, while the server's parser has no limit: when its brackets
+                # close, it may be a valid request, which must not slip past admission; when they do not, it is
+                # garbage the server refuses at once
+                too_deep = brackets_balanced(body)
         predict = route.path == self.config.predict_route
         if predict and (too_deep or (isinstance(payload, dict) and self.predict_refused(payload))):
             return await self.kvctl_error(

@@ -397,7 +397,11 @@ def test_proxy_never_exposes_private_routes(stack: Stack, method: str, segments:
         assert marker not in ans.body, (target, ans.status, ans.body[:300])
     resolved = posixpath.normpath(urllib.parse.unquote(target.split("?")[0]))
     if resolved.startswith(("/kv", "/slots", "/metrics")):
-        assert ans.status in (400, 404), (target, ans.status)
+        if method == "OPTIONS":
+            # a CORS preflight: relayed, and the server answers it before any routing, with no body
+            assert (ans.status == 200 and ans.body == b"") or ans.status == 400, (target, ans.status)
+        else:
+            assert ans.status in (400, 404), (target, ans.status)
     assert ans.status < 500, (target, ans.status, ans.body[:300])
     assert ans.header("Set-Cookie") is None
     if ans.status >= 400 and ans.status != 405:
