@@ -624,9 +624,7 @@ class Proxy:
                 (k, unowned_id() if k == "conv_id" and v and not self.owners.owns(v, owner) else v) for k, v in query
             ]
             # no body: cpp-httplib would read a form body's conv_id into the same parameters, past the check above
-            return await self.relay(
-                request, route, ident, body=b"", query=urlencode(fixed), raw=request.method == "GET"
-            )
+            return await self.relay(request, route, ident, body=b"", query=urlencode(fixed))
         body = await request.read()  # /v1/chat/completions/control
         with contextlib.suppress(ValueError):
             try:
@@ -648,16 +646,13 @@ class Proxy:
         asset_probe: bool = False,
         body: bytes | None = None,
         query: str | None = None,
-        raw: bool = False,
         filter_owner: str | None = None,
     ) -> web.StreamResponse:
         """Anything that is not a generation: relayed as it is, streamed, with its encodings untouched."""
         if body is None:
             body = await request.read()
+        # an asset probe (kvctl's keys, none given) carries no credential: upstream_headers drops kvctl's keys
         headers = self.upstream_headers(request, None, ident, generation=False)
-        if asset_probe:
-            headers = {k: v for k, v in headers.items() if k.lower() not in CREDENTIALS}
-        raw = raw or (route is not None and route.kind is Kind.CONVERSATION and request.method == "GET")
         return await self.forward(
             request,
             body,
@@ -665,8 +660,7 @@ class Proxy:
             route,
             None,
             None,
-            stream=False,
-            raw=raw,
+            raw=route is not None and route.kind is Kind.CONVERSATION and request.method == "GET",
             asset_probe=asset_probe,
             query=query,
             filter_owner=filter_owner,
@@ -704,7 +698,7 @@ class Proxy:
         if not multipart and not too_deep and (not isinstance(payload, dict) or refused_by_server(route.path, payload)):
             # malformed: the server answers it at once, exactly as it would without kvctl; it takes no cells, so it
             # must not wait in the admission queue for a slot it would never use
-            return await self.forward(request, body, headers, route, request_id, client_request_id, stream=False)
+            return await self.forward(request, body, headers, route, request_id, client_request_id)
         stream = isinstance(payload, dict) and payload.get("stream", False) is True
         if self.gate.refuse_reason is not None:
             return await self.kvctl_error(
@@ -754,7 +748,6 @@ class Proxy:
                 route,
                 request_id,
                 client_request_id,
-                stream=stream,
                 prepared=early,
                 entry=entry,
                 raw=bool(conversation),
@@ -923,7 +916,6 @@ class Proxy:
         request_id: str | None,
         client_request_id: str | None,
         *,
-        stream: bool,
         prepared: web.StreamResponse | None = None,
         entry: Inflight | None = None,
         raw: bool = False,
