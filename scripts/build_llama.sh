@@ -2,6 +2,7 @@
 # Build the patched llama-server that kvctl drives, and cache it outside the checkout.
 #
 #   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--no-patches] [--jobs N] [--force]
+#   scripts/build_llama.sh --extract DIR     (only fetch the pinned source into DIR, unpatched)
 #
 # The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python 0.3.36
 # (upstream commit 0c1e5709), verified by its sha256; with KVCTL_LLAMA_GIT_URL set, a git
@@ -28,11 +29,12 @@ cuda=0
 cuda_arch="native"
 use_patches=1
 force=0
+extract=""
 jobs="$(nproc 2>/dev/null || echo 2)"
 
 log() { printf 'build_llama: %s\n' "$*" >&2; }
 die() { printf 'build_llama: error: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -42,6 +44,7 @@ while [ $# -gt 0 ]; do
         --no-patches) use_patches=0 ;;
         --jobs|-j) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
         --force) force=1 ;;
+        --extract) [ $# -ge 2 ] || die "--extract needs a folder"; extract="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) usage; die "unknown argument: $1" ;;
     esac
@@ -81,8 +84,14 @@ if command -v flock >/dev/null 2>&1; then
     flock 9
 fi
 
-# an entry from before the route table was kept (src/server.cpp) is rebuilt: ccache makes that quick
-if [ "$force" = 0 ] && [ -x "$binary" ] && [ -f "$entry/src/server.cpp" ]; then
+if [ -n "$extract" ]; then
+    [ -e "$extract" ] && die "--extract: $extract exists"
+    force=1
+fi
+
+# an entry from before the route table (src/server.cpp) and the server's test suite (server-tests/)
+# were kept is rebuilt: ccache makes that quick
+if [ "$force" = 0 ] && [ -x "$binary" ] && [ -f "$entry/src/server.cpp" ] && [ -f "$entry/server-tests/utils.py" ]; then
     log "cache hit: $entry (patches $series_hash)"
     echo "$binary"
     exit 0
@@ -120,6 +129,14 @@ else
     rm -f "$src/.git"
 fi
 
+if [ -n "$extract" ]; then
+    mkdir -p "$(dirname "$extract")"
+    mv "$src" "$extract"
+    log "extracted llama.cpp $UPSTREAM_COMMIT into $extract"
+    echo "$extract"
+    exit 0
+fi
+
 # --- apply the patch series --------------------------------------------------------------
 for p in "${patches[@]+"${patches[@]}"}"; do
     name="$(basename "$p")"
@@ -149,6 +166,8 @@ mkdir -p "$stage/bin" "$stage/vocab" "$stage/src"
 cp "$work/build/bin/llama-server" "$stage/bin/"
 # the server's route table, for the test that checks the proxy classifies every route (tests/unit/test_routes.py)
 cp "$src/tools/server/server.cpp" "$stage/src/"
+# llama.cpp's own server tests, upstream's and the series', run offline by tests/upstream/runner.py
+cp -r "$src/tools/server/tests" "$stage/server-tests"
 cp "$src"/models/ggml-vocab-llama-spm.gguf "$src"/models/ggml-vocab-qwen35.gguf "$stage/vocab/"
 {
     echo "source: llama.cpp $UPSTREAM_COMMIT"

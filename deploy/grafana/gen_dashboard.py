@@ -233,11 +233,11 @@ def panels() -> list[Panel]:
     L.add(
         timeseries(
             "KV cells",
-            "Cells in use against the pool's size (-1 when the server cannot tell).",
-            ["llamacpp:kv_cells_used", "llamacpp:kv_cells_total"],
+            "Cells in use against the pool's size (absent when the server cannot count them).",
+            ["llamacpp:kv_cells_used", "llamacpp:kv_cells"],
             [
                 (f"llamacpp:kv_cells_used{{{R}}}", "{{replica}} used"),
-                (f"llamacpp:kv_cells_total{{{R}}}", "{{replica}} total"),
+                (f"llamacpp:kv_cells{{{R}}}", "{{replica}} total"),
             ],
             overrides=[dashed("total$", "blue")],
         ),

@@ -155,7 +155,7 @@ async def test_metrics_agree_with_kv(start_server: ServerFactory, http: aiohttp.
     async with http.get(srv.url + "/metrics") as resp:
         assert resp.status == 200
         m = parse_metrics(await resp.text())
-    assert m["llamacpp:kv_cells_total"] == kv["n_cells"] == 2048
+    assert m["llamacpp:kv_cells"] == kv["n_cells"] == 2048
     assert m["llamacpp:kv_cells_used"] == kv["n_cells_used"] > 0
     assert abs(m["llamacpp:kv_cache_usage_ratio"] - kv["used_ratio"]) < 1e-6
     assert m["llamacpp:slots_parked"] == 0 and m["llamacpp:parked_bytes"] == 0

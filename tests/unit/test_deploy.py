@@ -281,8 +281,8 @@ def promql_metric_names(expr: str) -> set[str]:
     [
         ('sum by (le, replica) (rate(a_bucket{x=~"$replica"}[$__rate_interval]))', {"a_bucket"}),
         (
-            "llamacpp:kv_cells_used / (llamacpp:kv_cells_total > 0)",
-            {"llamacpp:kv_cells_used", "llamacpp:kv_cells_total"},
+            "llamacpp:kv_cells_used / (llamacpp:kv_cells > 0)",
+            {"llamacpp:kv_cells_used", "llamacpp:kv_cells"},
         ),
         ("vector($budget_mib * 1048576)", set()),
         ("x > 0.9 * 8192 and on (replica) y == 1", {"x", "y"}),
