@@ -32,7 +32,8 @@ def test_upstream_tests_that_pass_unpatched_pass_patched(llama_server_bin: Path)
     results = runner.run(paths, files)
     bad = runner.regressions(baseline, results, files)
     if bad:  # once more on its own, so one slow moment is not a regression
-        results.update({t: o for t, o in runner.run(paths, sorted({b.split("::")[0] for b in bad})).items()
-                        if o == "passed"})
+        results.update(
+            {t: o for t, o in runner.run(paths, sorted({b.split("::")[0] for b in bad})).items() if o == "passed"}
+        )
         bad = runner.regressions(baseline, results, files)
     assert not bad, "\n".join(bad)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -29,25 +30,28 @@ def _no_downloads() -> types.ModuleType:
     return mod
 
 
+# before upstream's conftest.py imports utils.py, which imports wget
+sys.modules.setdefault("wget", _no_downloads())
+
+
 def pytest_configure(config: pytest.Config) -> None:
     model = os.environ.get("KVCTL_UPSTREAM_MODEL")
     if not model or not os.path.isfile(model):
         raise pytest.UsageError("KVCTL_UPSTREAM_MODEL must name a GGUF file")
-    sys.modules.setdefault("wget", _no_downloads())
     sys.path.insert(0, str(config.rootpath))
-    import utils  # upstream's tools/server/tests/utils.py
+    import utils  # type: ignore[import-not-found]  # upstream's tools/server/tests/utils.py
 
     server_cls = utils.ServerProcess
     start = server_cls.start
 
-    def offline_start(self: utils.ServerProcess, *args: object, **kwargs: object) -> None:
+    def offline_start(self: Any, *args: object, **kwargs: object) -> None:
         if self.model_hf_repo or self.model_url:
             self.model_hf_repo = self.model_hf_file = self.model_url = None
             self.model_file = model
         if self.n_threads is None:
             self.n_threads = 1
         self.mmproj_url = None
-        return start(self, *args, **kwargs)
+        start(self, *args, **kwargs)
 
     server_cls.start = offline_start
     utils.ServerPreset.load_all = staticmethod(lambda: None)
