@@ -84,14 +84,11 @@ if command -v flock >/dev/null 2>&1; then
     flock 9
 fi
 
-if [ -n "$extract" ]; then
-    [ -e "$extract" ] && die "--extract: $extract exists"
-    force=1
-fi
+[ -n "$extract" ] && [ -e "$extract" ] && die "--extract: $extract exists"
 
 # an entry from before the route table (src/server.cpp) and the server's test suite (server-tests/)
 # were kept is rebuilt: ccache makes that quick
-if [ "$force" = 0 ] && [ -x "$binary" ] && [ -f "$entry/src/server.cpp" ] && [ -f "$entry/server-tests/utils.py" ]; then
+if [ "$force" = 0 ] && [ -z "$extract" ] && [ -x "$binary" ] && [ -f "$entry/src/server.cpp" ] && [ -f "$entry/server-tests/utils.py" ]; then
     log "cache hit: $entry (patches $series_hash)"
     echo "$binary"
     exit 0

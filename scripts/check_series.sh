@@ -61,10 +61,10 @@ for i in "${!patches[@]}"; do
     fi
     lines="$(cd "$src" && git apply --numstat "$p" | awk -F'\t' '$3 !~ /^tools\/server\/tests\// { s += $1 + $2 } END { print s + 0 }')"
     (cd "$src" && git apply "$p")
-    [ "$lines" -le "$max_lines" ] || problems+=("more than $max_lines lines")
+    [ "$lines" -le "$max_lines" ] || { problems+=("more than $max_lines lines"); failed=1; }
     # the message: everything between the Subject and the diffstat separator, past the subject itself
     body="$(awk '/^Subject:/ { s = 1; next } s && /^---$/ { exit } s' "$p" | sed '/^ /d' | grep -c '[^[:space:]]' || true)"
-    [ "$body" -ge 2 ] || problems+=("no message body saying why")
+    [ "$body" -ge 2 ] || { problems+=("no message body saying why"); failed=1; }
     if [ "$n" -ge "$from" ]; then
         t0=$(date +%s)
         if cmake --build "$build" --target llama-server -j "$jobs" >"$work/build-$n.log" 2>&1; then
@@ -78,7 +78,6 @@ for i in "${!patches[@]}"; do
         problems+=("build skipped (--from $from)")
     fi
     printf '%-4s %-68s %6s  %s\n' "$n" "$name" "$lines" "$(IFS=';'; echo "${problems[*]}")"
-    case "${problems[*]}" in *"more than"*|*"no message"*) failed=1 ;; esac
 done
 [ "$failed" = 0 ] || die "the series has problems (above)"
 echo "check_series: all ${#patches[@]} patches apply, say why, stay within $max_lines lines and build"

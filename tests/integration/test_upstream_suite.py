@@ -16,9 +16,8 @@ def test_the_series_own_tests_pass(llama_server_bin: Path) -> None:
     paths = runner.locate(str(llama_server_bin))
     files = runner.series_files(paths.tests)
     assert len(files) >= 10, files
-    results = runner.run(paths, files)
+    results, bad = runner.check(paths, files, retry=False)
     assert len(results) >= 20
-    bad = runner.regressions(runner.load_baseline(), results, files)
     assert not bad, "\n".join(bad)
 
 
@@ -29,11 +28,5 @@ def test_upstream_tests_that_pass_unpatched_pass_patched(llama_server_bin: Path)
     for f in files:
         passing = [t for t, o in baseline.items() if t.startswith(f + "::") and o == "passed"]
         assert passing, f"the baseline has no passing test in {f}: it would check nothing"
-    results = runner.run(paths, files)
-    bad = runner.regressions(baseline, results, files)
-    if bad:  # once more on its own, so one slow moment is not a regression
-        results.update(
-            {t: o for t, o in runner.run(paths, sorted({b.split("::")[0] for b in bad})).items() if o == "passed"}
-        )
-        bad = runner.regressions(baseline, results, files)
+    _, bad = runner.check(paths, files, retry=True)
     assert not bad, "\n".join(bad)

@@ -168,6 +168,22 @@ def regressions(baseline: dict[str, str], results: dict[str, str], files: list[s
     return sorted(bad)
 
 
+def check(paths: Paths, files: list[str], *, retry: bool, quiet: bool = True) -> tuple[dict[str, str], list[str]]:
+    """Run ``files`` and compare with the baseline; return the results and the regressions.
+
+    With ``retry``, the files of failing tests run once more on their own, so that one slow
+    moment of the machine is not taken for a regression.
+    """
+    baseline = load_baseline()
+    results = run(paths, files, quiet=quiet)
+    bad = regressions(baseline, results, files)
+    if bad and retry:
+        again = run(paths, sorted({b.split("::")[0] for b in bad}))
+        results.update({t: o for t, o in again.items() if o == "passed"})
+        bad = regressions(baseline, results, files)
+    return results, bad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help="test files relative to tools/server/tests (default: what CI runs)")
@@ -205,13 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"runner: recorded {len(merged)} tests in {BASELINE}: {counts}")
         return 0
 
-    results = run(paths, files, quiet=False)
-    bad = regressions(load_baseline(), results, files)
-    # a failure is checked once more on its own, so one slow moment is not a regression
-    if bad:
-        again = run(paths, sorted({b.split("::")[0] for b in bad}))
-        results.update({t: o for t, o in again.items() if o == "passed" and results.get(t) != "passed"})
-        bad = regressions(load_baseline(), results, files)
+    results, bad = check(paths, files, retry=True, quiet=False)
     counts = {o: sum(1 for v in results.values() if v == o) for o in OUTCOMES}
     print(f"runner: {len(results)} tests {counts}; {len(bad)} regressions")
     for line in bad:
