@@ -7,5 +7,5 @@ set -euo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 LLAMA_GIT_DIR BASE" >&2; exit 2; }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 rm -f "$root"/patches/*.patch
-git -C "$1" format-patch --quiet --no-signature --zero-commit "$2..HEAD" -o "$root/patches/"
+git -C "$1" format-patch --quiet --no-signature --zero-commit --no-numbered "$2..HEAD" -o "$root/patches/"
 ls "$root"/patches/*.patch
