@@ -1,10 +1,14 @@
-"""Park and resume cost against snapshot size, with the host's memcpy bandwidth as the limit.
+"""Park and resume cost of both modes against the request's length, beside a prefill of as many tokens.
 
     python bench/park_cost.py [--model bench|tiny] [--repeat 5]
 
-For sequences of 256 to 16384 cells, parks and resumes a generating request through the API and
-reports the server's own park_ms / resume_ms, the snapshot size and the resulting bandwidth, next
-to a numpy copy of the same number of bytes measured in the same run.
+For sequences of 256 to 16384 cells, parks and resumes a generating request through the API:
+  swap       the server's own park_ms / resume_ms, the snapshot size and the resulting bandwidth,
+             next to a numpy copy of the same number of bytes measured in the same run;
+  recompute  the park's round trip, and the resume until the stream's next token (the server
+             answers at once, re-evaluates the tokens, then decodes one step);
+  prefill    the server's prompt_ms for a fresh prompt of the same length (no cache).
+A recompute resume of N tokens should cost about a prefill of N tokens: the last column is their ratio.
 """
 
 from __future__ import annotations
@@ -59,6 +63,44 @@ async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], lis
     return park_ms, resume_ms, n_bytes
 
 
+def long_request(n_cells: int, **extra: object) -> dict[str, object]:
+    return {
+        "prompt": [1000 + (i % 20000) for i in range(n_cells)],
+        "n_predict": 100000,
+        "ignore_eos": True,
+        "id_slot": 0,
+        "cache_prompt": False,
+        **extra,
+    }
+
+
+async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], list[float]]:
+    """Round trips of recompute parks, resume-to-generating times, and a prefill's prompt_ms of the same length."""
+    park_ms, resume_ms, prefill_ms = [], [], []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        async with s.post(url + "/completion", json=long_request(n_cells, stream=True)) as resp:
+            await resp.content.readline()  # generating now
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
+                assert st == 200 and b["mode"] == "recompute", b
+                park_ms.append((time.perf_counter() - t0) * 1e3)
+                while await resp.content.readline() != b": parked\n":
+                    pass  # tokens streamed before the park
+                t0 = time.perf_counter()
+                st, b, _ = await post_action(s, url, 0, "resume")
+                assert st == 200, b
+                while not (await resp.content.readline()).startswith(b"data: "):
+                    pass  # ": resumed", blank lines
+                resume_ms.append((time.perf_counter() - t0) * 1e3)
+                await asyncio.sleep(0.05)
+            resp.close()
+        for _ in range(repeat):
+            async with s.post(url + "/completion", json=long_request(n_cells, n_predict=1)) as r:
+                prefill_ms.append((await r.json())["timings"]["prompt_ms"])
+    return park_ms, resume_ms, prefill_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
@@ -70,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     with server(binary, gguf, "-c", "20480", "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048") as srv:
         for n_cells in (256, 1024, 4096, 16384):
             park, resume, n_bytes = asyncio.run(measure(srv.url, n_cells, args.repeat))
+            rc_park, rc_resume, prefill = asyncio.run(measure_recompute(srv.url, n_cells, args.repeat))
             p50_park, p50_resume = statistics.median(park), statistics.median(resume)
             rows.append(
                 (
@@ -82,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                     n_bytes / (p50_park / 1e3) / 1e9,
                     n_bytes / (p50_resume / 1e3) / 1e9,
                     memcpy_gbps(n_bytes),
+                    statistics.median(rc_park),
+                    statistics.median(rc_resume),
+                    pct(rc_resume, 0.9),
+                    statistics.median(prefill),
+                    statistics.median(rc_resume) / statistics.median(prefill),
                 )
             )
     out = table(
@@ -95,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             "park GB/s",
             "resume GB/s",
             "memcpy GB/s",
+            "recompute park p50 ms",
+            "recompute resume p50 ms",
+            "recompute resume p90 ms",
+            "prefill p50 ms",
+            "recompute / prefill",
         ],
         rows,
     )

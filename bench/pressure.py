@@ -1,16 +1,21 @@
 """Pressure: does every request complete when concurrent chats overflow the KV pool?
 
     python bench/pressure.py [--bands 8192,16384] [--modes upstream,safety-net,kvctl] [--quick]
+                             [--park-ram 1]
 
 Bands of context size x workload mix x mode, measured side by side in one run:
   upstream    the unpatched llama-server (pinned tree, no patches)
   safety-net  the patched server alone (--auto-park, no controller)
   kvctl       the patched server with kvctl's controller (and proxy) in front, its safety net off
   kvctl-seed  the same with the seed's restore order (most-parked, then longest-waiting)
-Per cell: completed/total, errors, parks, max and p99 parked wait, time to first token p50/p99,
-aggregate tokens/s, per-request slowdown against the same request run solo, and a digest of the
-schedule (which requests were parked and resumed, in what order): where kvctl and kvctl-seed show
-the same digest, the two orders made the same decisions and their waits differ by the machine alone.
+With ``--park-ram 1`` every band runs a second time with a snapshot budget of 1 MiB, smaller than one
+request's snapshot: the patched server then parks by recompute (the band's label says ``ram=1``;
+upstream has no such flag and runs as in the first pass).
+Per cell: completed/total, errors, parks (and how many by recompute), max and p99 parked wait,
+time to first token p50/p99, aggregate tokens/s, per-request slowdown against the same request
+run solo, and a digest of the schedule (which requests were parked and resumed, in what order):
+where kvctl and kvctl-seed show the same digest, the two orders made the same decisions and their
+waits differ by the machine alone.
 """
 
 from __future__ import annotations
@@ -65,7 +70,9 @@ def workloads(n_ctx: int) -> dict[str, list[Req]]:
     }
 
 
-async def run_cell(url: str, reqs: list[Req], metrics_url: str | None) -> tuple[list[Timed], float, float]:
+async def run_cell(
+    url: str, reqs: list[Req], metrics_url: str | None
+) -> tuple[list[Timed], float, tuple[float, float]]:
     # a request that starts after another's progress waits on an event its chunks (or its end) set
     watch: dict[int, list[tuple[int, asyncio.Event]]] = {}
     for r in reqs:
@@ -103,7 +110,8 @@ async def run_cell(url: str, reqs: list[Req], metrics_url: str | None) -> tuple[
         t0 = time.monotonic()
         results = await asyncio.gather(*[one(s, i, r) for i, r in enumerate(reqs)])
         wall = time.monotonic() - t0
-        return list(results), wall, await parks(s, metrics_url) - parks0
+        parks1 = await parks(s, metrics_url)
+        return list(results), wall, (parks1[0] - parks0[0], parks1[1] - parks0[1])
 
 
 def schedule(results: list[Timed], gap_s: float = 0.025) -> str:
@@ -123,11 +131,13 @@ def schedule(results: list[Timed], gap_s: float = 0.025) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:8] if text else "-"
 
 
-async def parks(s: aiohttp.ClientSession, metrics_url: str | None) -> float:
+async def parks(s: aiohttp.ClientSession, metrics_url: str | None) -> tuple[float, float]:
+    """The server's parks so far: all of them, and those by recompute."""
     if metrics_url is None:
-        return 0.0
+        return 0.0, 0.0
     async with s.get(metrics_url + "/metrics") as resp:
-        return parse_metrics(await resp.text()).get("llamacpp:slot_parks_total", 0.0)
+        m = parse_metrics(await resp.text())
+    return m.get("llamacpp:slot_parks_total", 0.0), m.get("llamacpp:slot_recompute_parks_total", 0.0)
 
 
 @contextlib.contextmanager
@@ -164,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", choices=["tiny", "bench", "gpu"])
     ap.add_argument("--server-args", default="", help="extra llama-server flags for every server, e.g. '-ngl 99'")
     ap.add_argument("--out", default="pressure", help="name of the table and plot in bench/results/")
+    ap.add_argument(
+        "--park-ram",
+        default="",
+        help="also run every band with these --park-ram values in MiB (comma list), e.g. 1: parks by recompute",
+    )
     args = ap.parse_args(argv)
+    park_rams: list[int | None] = [None, *(int(v) for v in args.park_ram.split(",") if v)]
     bands = [8192] if args.quick else [int(b) for b in args.bands.split(",")]
     names = ["equal-long", "late-prompts"] if args.quick else args.workloads.split(",")
     modes = args.modes.split(",")
@@ -174,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     gguf = model(args.model, patched)
     rows = []
     solo: dict[int, float] = {}
-    for n_ctx in bands:
+    for n_ctx, ram in ((n, r) for n in bands for r in park_rams):
         base = ("-c", str(n_ctx), "-np", "8", "-kvu", "--slots", "--metrics", "-b", "512", *args.server_args.split())
+        band = str(n_ctx) if ram is None else f"{n_ctx} ram={ram}"
         for name in names:
             reqs = workloads(n_ctx)[name]
             with server(patched, gguf, *base) as srv:
@@ -183,19 +200,20 @@ def main(argv: list[str] | None = None) -> int:
                     one, _, _ = asyncio.run(run_cell(srv.url, [Req("Solo run:", n)], None))
                     solo[n] = one[0].duration
             for mode in modes:
-                with start_mode(mode, patched, unpatched, gguf, base) as (url, murl):
+                ram_args = () if ram is None or mode == "upstream" else ("--park-ram", str(ram))
+                with start_mode(mode, patched, unpatched, gguf, (*base, *ram_args)) as (url, murl):
                     results, wall, n_parks = asyncio.run(run_cell(url, reqs, None if mode == "upstream" else murl))
                 done = [r for r in results if r.ok and not r.error]
                 waits = [w for r in results for w in r.parked_waits]
                 slow = [r.duration / solo[q.n_predict] for r, q in zip(results, reqs, strict=True) if r.ok]
                 rows.append(
                     (
-                        n_ctx,
+                        band,
                         name,
                         mode,
                         f"{len(done)}/{len(reqs)}",
                         len(reqs) - len(done),
-                        int(n_parks),
+                        f"{int(n_parks[0])} ({int(n_parks[1])} rc)" if n_parks[1] else int(n_parks[0]),
                         max(waits, default=0.0),
                         pct(waits, 0.99),
                         pct([r.ttft for r in done], 0.5),
@@ -214,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode",
             "completed",
             "errors",
-            "parks",
+            "parks (by recompute)",
             "max parked s",
             "p99 parked s",
             "TTFT p50 s",
@@ -242,7 +260,7 @@ def plot(rows: list[tuple[object, ...]], modes: list[str], name: str = "pressure
     except ImportError:
         print("(matplotlib not installed: no plot; pip install -e '.[bench]')")
         return
-    cells = sorted({(r[0], r[1]) for r in rows}, key=lambda c: (c[0], str(c[1])))
+    cells = sorted({(r[0], r[1]) for r in rows}, key=lambda c: (str(c[0]), str(c[1])))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):

@@ -64,7 +64,29 @@ async def test_full_pool_completes_every_request(
     assert "Context size has been exceeded" not in srv.log_text()
 
 
-@pytest.mark.parametrize("flag", [("--park-ram", "0"), ("--no-auto-park",)], ids=["park-ram-0", "no-auto-park"])
+async def test_a_budget_smaller_than_a_snapshot_parks_by_recompute(
+    start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    # the band: with swaps alone, 0 of 4 completed (every snapshot of ~2000 cells is over 1 MiB)
+    srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", "--park-ram", "1")
+    results = await run_streams(http, srv.url, 4, 3000)
+    assert_all_complete(results, 3000)
+    m = await metrics(http, srv.url)
+    assert m["llamacpp:slot_recompute_parks_total"] > 0
+    assert m["llamacpp:recomputed_tokens_total"] > 0
+    assert m["llamacpp:slots_parked"] == 0 and m["llamacpp:parked_bytes"] == 0
+    assert "Context size has been exceeded" not in srv.log_text()
+    for res in results:
+        # usage is the uninterrupted request's: re-evaluated tokens are only in the timings
+        assert res.final is not None
+        assert res.final["timings"]["prompt_n"] <= res.final["tokens_evaluated"] < 32
+    assert (
+        sum(r.final["timings"].get("recompute_n", 0) for r in results if r.final)
+        == m["llamacpp:recomputed_tokens_total"]
+    )
+
+
+@pytest.mark.parametrize("flag", [("--no-park",), ("--no-auto-park",)], ids=["no-park", "no-auto-park"])
 async def test_without_the_safety_net_the_upstream_failure_returns(
     start_server: ServerFactory, http: aiohttp.ClientSession, flag: tuple[str, ...]
 ) -> None:
