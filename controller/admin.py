@@ -6,8 +6,11 @@
 | ``GET /metrics`` | kvctl's own Prometheus metrics |
 | ``GET /healthz`` | liveness: the process and its control loop run (200/503) |
 | ``GET /readyz`` | readiness: upstream up and the pool not saturated, with hysteresis (200/503) |
-| ``POST /slots/{id}/park`` | park the slot's request and pin it: the policy leaves it parked |
+| ``POST /slots/{id}/park`` | park the slot's request and pin it: the policy leaves it parked (``?mode=``: see below) |
 | ``POST /slots/{id}/resume`` | resume it (and unpin) |
+
+A park goes by the server's choice of mode (swap when the snapshot fits its ``--park-ram``, else recompute)
+unless ``?mode=swap`` or ``?mode=recompute`` asks for one; an explicit swap that does not fit is the server's 503.
 
 With ``admin.token`` set, every route but the two probes needs ``Authorization: Bearer TOKEN``.
 Errors use the OpenAI envelope and ``X-Kvctl-Origin: kvctl``, so they are told apart from the server's.
@@ -31,7 +34,7 @@ from controller.policy import PolicyConfig
 from controller.settings import Settings
 from controller.status import Status, build_status
 from controller.supervisor import Supervisor, SupervisorState
-from controller.upstream import SlotState
+from controller.upstream import ParkMode, SlotState
 
 __all__ = ["Readiness", "make_admin_app"]
 
@@ -282,8 +285,15 @@ async def _manual(request: web.Request) -> web.StreamResponse:
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:  # str.isdigit() also takes '①' and '٣'
         return error_response(400, f"invalid slot id {raw!r}: expected a non-negative integer", "invalid_slot")
     action = ManualAction.PARK if request.path.endswith("/park") else ManualAction.RESUME
+    mode: ParkMode | None = None
+    if "mode" in request.query:
+        raw_mode = request.query["mode"]
+        if action is not ManualAction.PARK or raw_mode not in {m.value for m in ParkMode}:
+            message = f"invalid mode {raw_mode!r}: a park takes {', '.join(ParkMode)}"
+            return error_response(400, message, "invalid_mode")
+        mode = ParkMode(raw_mode)
     try:
-        result = await admin.loop.manual(action, int(raw))
+        result = await admin.loop.manual(action, int(raw), mode=mode)
     except ManualError as e:
         log.warning("manual.failed", action=str(action), slot=int(raw), status=e.status, error=str(e))
         return error_response(e.status, str(e), "manual_" + str(action) + "_failed", e.retry_after_s)

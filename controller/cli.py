@@ -26,6 +26,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from controller.loop import ManualResult
 from controller.settings import Settings, SettingsError, load_settings, split_host_port
 from controller.status import GpuDeviceView, PoolView, SlotView, Status
+from controller.upstream import ParkMode
 
 __all__ = ["main", "render_status"]
 
@@ -133,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
             )
         else:
             c.add_argument("slot", type=_slot_id, help="slot id")
+        if name == "park":
+            c.add_argument(
+                "--mode",
+                choices=[m.value for m in ParkMode],
+                help="park by swap (a snapshot in host RAM) or by recompute (evaluated again on resume); "
+                "default: the server's choice",
+            )
     return p
 
 
@@ -176,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except KeyboardInterrupt:
                 return EXIT_OK
         return asyncio.run(_status(admin, as_json))
-    return asyncio.run(_manual(admin, args.command, args.slot, as_json))
+    return asyncio.run(_manual(admin, args.command, args.slot, as_json, getattr(args, "mode", None)))
 
 
 # --- run -------------------------------------------------------------------------------------------
@@ -340,13 +348,16 @@ _MANUAL_ANSWER: TypeAdapter[ManualResult] = TypeAdapter(ManualResult)
 
 def _manual_line(r: ManualResult) -> str:
     size = f"{r.n_cells} cells" + (f", {_bytes(r.n_bytes)}" if r.n_bytes else "")
+    if r.mode is not None:
+        size += f", by {r.mode}"
     return f"slot {r.slot}: {r.detail} (task {r.id_task}, {size})"
 
 
-async def _manual(admin: _Admin, action: str, slot: int, as_json: bool) -> int:
+async def _manual(admin: _Admin, action: str, slot: int, as_json: bool, mode: str | None = None) -> int:
+    path = f"/slots/{slot}/{action}" + (f"?mode={mode}" if mode is not None else "")
     async with _session(MANUAL_TIMEOUT_S) as session:
         try:
-            code, body = await admin.request(session, "POST", f"/slots/{slot}/{action}")
+            code, body = await admin.request(session, "POST", path)
             if (failure := admin.refused_token(code)) is not None:
                 raise failure
         except _Failure as e:

@@ -39,6 +39,7 @@ from controller.probes.gpu import GpuState
 from controller.settings import Settings
 from controller.upstream import (
     KvSnapshot,
+    ParkMode,
     ParkResult,
     ResumeResult,
     SlotState,
@@ -54,11 +55,13 @@ log = structlog.get_logger("kvctl.loop")
 
 GPU_READ_INTERVAL_S = 1.0  # NVML reads block a thread; GPU memory does not move at the pool's pace
 
-# parks the policy wants but a resource limit forbids; the server's safety net (--park-ram) still parks
+# parks the policy wants but a resource limit forbids; the server's safety net (--park-ram) still parks. A server
+# that parks by recompute is never short of memory for a park: only an older one (swap only) meets the first two
 _BLOCKING = {
     SkipReason.HOST_RAM: "the host's available RAM is under policy.host_ram_reserve_mib plus the snapshot: kvctl "
-    "parks nothing until RAM is freed",
+    "parks nothing until RAM is freed (a server with park by recompute would not need it)",
     SkipReason.BUDGET: "parked snapshots fill policy.snapshot_budget_mib (or the server's --park-ram)",
+    SkipReason.PARKING_OFF: "the server parks by no mode (--no-park): only its idle-slot clearing relieves the pool",
 }
 
 
@@ -76,6 +79,8 @@ class ManualResult:
     detail: str
     n_cells: int = 0
     n_bytes: int = 0
+    mode: str | None = None
+    """The mode the server parked (or had parked) it by; None where it does not say (an older server)."""
 
 
 class ManualError(Exception):
@@ -92,6 +97,7 @@ class _Command:
     action: ManualAction
     slot: int
     done: asyncio.Future[ManualResult]
+    mode: ParkMode | None = None
 
 
 @dataclass(slots=True)
@@ -204,10 +210,13 @@ class ControlLoop:
         self.state.max_pressure = 0.0
         self.state.max_growth = 0.0
 
-    async def manual(self, action: ManualAction, slot: int, timeout_s: float = 10.0) -> ManualResult:
-        """A manual park (pinned until resumed by hand) or resume, carried out by the loop's task."""
+    async def manual(
+        self, action: ManualAction, slot: int, timeout_s: float = 10.0, mode: ParkMode | None = None
+    ) -> ManualResult:
+        """A manual park (pinned until resumed by hand) or resume, carried out by the loop's task. A park goes by
+        ``mode``; None: the server's choice."""
         done: asyncio.Future[ManualResult] = asyncio.get_running_loop().create_future()
-        await self._commands.put(_Command(action, slot, done))
+        await self._commands.put(_Command(action, slot, done, mode))
         self._wake.set()
         try:
             return await asyncio.wait_for(done, timeout_s)
@@ -401,20 +410,28 @@ class ControlLoop:
             if not await self._carry_out(action):
                 return  # the server's state is not what the decision assumed: decide again on a fresh poll
 
+    def _wire_mode(self, a: Action) -> ParkMode | None:
+        """The mode to ask for: the policy's, unless the server lists no modes (an older one, which swaps only)."""
+        kv = self.state.snapshot
+        return a.mode if kv is not None and kv.park_modes is not None else None
+
     async def _carry_out(self, a: Action) -> bool:
-        fields = {
+        fields: dict[str, object] = {
             "slot": a.slot,
             "id_task": a.id_task,
             "reason": str(a.reason),
             "n_cells": a.n_cells,
             "projected_after": round(a.projected_after, 4),
         }
+        if a.kind is ActionKind.PARK:
+            fields["mode"] = str(a.mode) if a.mode is not None else None
+            fields["mode_reason"] = str(a.mode_reason) if a.mode_reason is not None else None
         if a.kind is ActionKind.END:
             return await self._end(a, fields)
         t0 = time.perf_counter()
         try:
             if a.kind is ActionKind.PARK:
-                park = await self.client.park(a.slot, a.id_task)
+                park = await self.client.park(a.slot, a.id_task, self._wire_mode(a))
             else:
                 resume = await self.client.resume(a.slot, a.id_task)
         except UpstreamError as e:
@@ -422,20 +439,31 @@ class ControlLoop:
             return False
         dt = time.perf_counter() - t0
         if a.kind is ActionKind.PARK:
-            self._parked(park, a.reason, dt, fields)
+            self._parked(park, a.reason, dt, fields, requested=a.mode)
         else:
             self._resumed(resume, a.reason, dt, fields, waited_ms=a.waited_ms)
         return True
 
-    def _parked(self, r: ParkResult, reason: Reason, dt: float, fields: dict[str, object], pin: bool = False) -> None:
+    def _parked(
+        self,
+        r: ParkResult,
+        reason: Reason,
+        dt: float,
+        fields: dict[str, object],
+        pin: bool = False,
+        requested: ParkMode | None = None,
+    ) -> None:
         self.state.parks += 1
         old = self.state.history.get(r.id_task, TaskHistory()).parked()
         self.state.history[r.id_task] = replace(old, pinned=old.pinned or pin)
-        self.metrics.parks.labels(reason=str(reason)).inc()
+        # the server's word on the mode; one that does not say it is an older server, which swaps only
+        mode = r.mode or requested or ParkMode.SWAP
+        self.metrics.parks.labels(reason=str(reason), mode=str(mode)).inc()
         self.metrics.park_seconds.observe(dt)
         log.info(
             "park.done",
-            **{**fields, "n_cells": r.n_cells},
+            **{**fields, "n_cells": r.n_cells, "mode": str(mode)},
+            server_mode_reason=r.mode_reason,
             n_bytes=r.n_bytes + r.n_bytes_draft,
             park_ms=r.timings.park_ms,
             park_count=r.park_count,
@@ -454,6 +482,7 @@ class ControlLoop:
         log.info(
             "restore.done",
             **{**fields, "n_cells": r.n_cells},
+            mode=str(r.mode) if r.mode is not None else None,
             expected_cells=fields.get("n_cells"),
             resume_ms=r.timings.resume_ms,
             parked_ms=r.t_parked_ms,
@@ -517,15 +546,21 @@ class ControlLoop:
             if slot.state is SlotState.PARKED:
                 self.state.history[task] = replace(old, pinned=True)
                 log.info("park.pinned", **fields)
-                return ManualResult(slot.id, task, cmd.action, True, "already parked; now pinned", slot.n_cells)
+                mode = str(slot.park.mode) if slot.park.mode is not None else None
+                return ManualResult(
+                    slot.id, task, cmd.action, True, "already parked; now pinned", slot.n_cells, mode=mode
+                )
+            if cmd.mode is not None:
+                fields["mode"] = str(cmd.mode)
             t0 = time.perf_counter()
             try:
-                park = await self.client.park(slot.id, task)
+                park = await self.client.park(slot.id, task, cmd.mode)
             except UpstreamError as e:
                 self._action_failed("park", e, fields)
                 raise _manual_error(e) from None
-            self._parked(park, Reason.MANUAL, time.perf_counter() - t0, fields, pin=True)
-            return ManualResult(slot.id, task, cmd.action, True, "parked and pinned", park.n_cells, park.n_bytes)
+            self._parked(park, Reason.MANUAL, time.perf_counter() - t0, fields, pin=True, requested=cmd.mode)
+            mode = str(park.mode) if park.mode is not None else None
+            return ManualResult(slot.id, task, cmd.action, True, "parked and pinned", park.n_cells, park.n_bytes, mode)
         if slot.state is not SlotState.PARKED:
             raise ManualError(409, f"slot {cmd.slot} is not parked (state '{slot.state}')")
         # unpinned first: should the resume fail for lack of room, the policy restores it when there is
@@ -537,7 +572,8 @@ class ControlLoop:
             self._action_failed("resume", e, fields)
             raise _manual_error(e) from None
         self._resumed(resume, Reason.MANUAL, time.perf_counter() - t0, fields, waited_ms=None)
-        return ManualResult(slot.id, task, cmd.action, False, "resumed", resume.n_cells, resume.n_bytes)
+        mode = str(resume.mode) if resume.mode is not None else None
+        return ManualResult(slot.id, task, cmd.action, False, "resumed", resume.n_cells, resume.n_bytes, mode)
 
 
 def _manual_error(e: UpstreamError) -> ManualError:

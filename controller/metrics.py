@@ -55,7 +55,13 @@ class Metrics:
         self.kv_pressure_ratio = Gauge(
             "kvctl_kv_pressure_ratio", "The larger projected occupancy of the target and draft pools", registry=r
         )
-        self.parks = Counter("kvctl_parks_total", "Requests parked by kvctl, by reason", ["reason"], registry=r)
+        self.parks = Counter(
+            "kvctl_parks_total",
+            "Requests parked by kvctl, by reason and mode (swap: a snapshot in host RAM; recompute: cells freed, "
+            "evaluated again on resume)",
+            ["reason", "mode"],
+            registry=r,
+        )
         self.resumes = Counter("kvctl_resumes_total", "Requests resumed by kvctl, by reason", ["reason"], registry=r)
         self.ends = Counter(
             "kvctl_ends_total", "Parked requests given up because they cannot fit the pool alone", registry=r
@@ -63,7 +69,8 @@ class Metrics:
         self.skipped = Gauge(
             "kvctl_skipped_candidates",
             "Park or resume candidates the latest decision passed over, by action and reason "
-            "(host_ram: the host's available RAM less policy.host_ram_reserve_mib cannot hold the snapshot)",
+            "(host_ram: the host's available RAM less policy.host_ram_reserve_mib cannot hold the snapshot, "
+            "on a server that cannot park by recompute)",
             ["action", "reason"],
             registry=r,
         )

@@ -4,15 +4,33 @@ Pure functions: no I/O and no clock (the time comes in with the snapshot), so th
 always gives the same decision, whatever order the slots are listed in.
 
 Projected occupancy of a pool = (cells held by requests in progress + the cells the next decode step
-may add) / pool cells, for the target pool and for the draft pool when there is one; the pressure is
-the larger. Cells held by *idle* slots are left out: they are only a prompt cache, which the server
-clears before a decode step fails (upstream's idle-slot clearing, the safety net's second rung) and
-before a resume lacks room.
+may add + the unprefilled rest of every prompt in progress) / pool cells, for the target pool and for
+the draft pool when there is one; the pressure is the larger. Cells held by *idle* slots are left
+out: they are only a prompt cache, which the server clears before a decode step fails (upstream's
+idle-slot clearing, the safety net's second rung) and before a resume lacks room.
+
+What the projection reserves beyond the cells held, the *step*, is
+``n_gen + n_draft_max + max(n_prompt_max, sum of n_prefill_left over slots in state prompt)``: the
+server's ``next_step.n_prompt_max`` bounds one step only (a batch), while a prompt goes on taking cells
+until it is evaluated, and a restore or an admission decided now must leave it that room. It is the max,
+not the sum, since the next step's prompt tokens are part of that rest. So a request resumed by
+recompute, evaluating its tokens again (state ``prompt``, ``park.recomputing``), counts at its full
+length until it generates again, and a parked request counts at its full length (``park.n_cells``)
+when a restore is weighed, whichever mode it was parked by.
 
 * At or above HIGH, park victims until the projection is below HIGH: newest first (latest
   ``t_arrival_ms``, ties by ``id_task``), passing over requests parked before while another
-  candidate exists; never the largest resident request; never one whose snapshot would exceed
-  the remaining snapshot budget or the host-RAM headroom.
+  candidate exists; never the largest resident request.
+* Each victim's park mode (``ModeReason`` says why): by swap (a copy of its cells in host RAM) when
+  its snapshot (the server's ``park.snapshot_bytes``, else n_cells x bytes_per_cell) fits what is left
+  of the snapshot budget (the smaller of ``snapshot_budget_mib`` and the server's ``--park-ram``, less
+  what is parked) and of the host-RAM headroom (the smaller of psutil's and the server's available
+  memory, less ``host_ram_reserve_mib``), unless the server's measured rates say evaluating its tokens
+  again takes less time than copying the snapshot out and back; by recompute otherwise (its cells freed,
+  evaluated again on resume: no host RAM), and always when the server offers only recompute or
+  ``snapshot_budget_mib`` is 0. Only swaps use up budget and headroom. With a server that offers
+  recompute, no victim is passed over for memory; an older server that lists no modes parks by swap
+  only, and a victim whose snapshot does not fit is passed over (``budget``, ``host_ram``).
 * Restore while the projection after restoring (the request's cells, its next-step cells and a
   margin) stays at or below LOW. Default order (``aging``): the seed's order (most-parked first, then
   longest-waiting, passing over what does not fit), except that requests parked for half of
@@ -33,13 +51,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from controller.settings import MiB, PolicySettings, RestoreOrder
-from controller.upstream.models import KvSnapshot, Slot, SlotState
+from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState
 
 __all__ = [
     "Action",
     "ActionKind",
     "Admission",
     "Decision",
+    "ModeReason",
     "PolicyConfig",
     "PolicyInput",
     "Pressure",
@@ -79,12 +98,31 @@ class Reason(StrEnum):
     """park or resume asked for through the admin API (never produced by the policy)."""
 
 
+class ModeReason(StrEnum):
+    """Why a park is by swap or by recompute."""
+
+    FITS = "fits"
+    """swap: the snapshot fits the budget and the host-RAM headroom, and copying is not slower (or unmeasured)."""
+    BUDGET = "budget"
+    """recompute: the snapshot exceeds what is left of the snapshot budget."""
+    HOST_RAM = "host_ram"
+    """recompute: the snapshot exceeds the host's available RAM less the reserve."""
+    CHEAPER = "cheaper"
+    """recompute: evaluating its tokens again takes less time than copying the snapshot out and back, as measured."""
+    RECOMPUTE_ONLY = "recompute_only"
+    """recompute: the server does not park by swap (--park-ram 0), or policy.snapshot_budget_mib is 0."""
+
+
 class SkipReason(StrEnum):
     """Why a candidate was passed over."""
 
     LARGEST = "largest"
     BUDGET = "budget"
+    """an older server (swap only): the snapshot exceeds what is left of the snapshot budget."""
     HOST_RAM = "host_ram"
+    """an older server (swap only): the snapshot exceeds the host's available RAM less the reserve."""
+    PARKING_OFF = "parking_off"
+    """the server parks by no mode (--no-park)."""
     UNRESOLVED = "unresolved"
     """still at or above HIGH after every candidate: the server's safety net covers the rest."""
     ABOVE_LOW = "above_low"
@@ -117,6 +155,7 @@ class PolicyConfig:
     high: float = 0.94
     low: float = 0.80
     budget_bytes: int = 8192 * MiB
+    """0: park by recompute only (on a server that offers it; an older server then parks nothing)."""
     host_reserve_bytes: int = 1024 * MiB
     margin_cells: int = 16
     order: RestoreOrder = RestoreOrder.AGING
@@ -145,7 +184,8 @@ class PolicyInput:
     history: Mapping[int, TaskHistory] = field(default_factory=dict)
     """By ``id_task``."""
     host_available_bytes: int | None = None
-    """psutil's available memory; None: unknown, no host-RAM limit."""
+    """psutil's available memory (the smaller of it and the server's ``host_ram_available_bytes`` applies);
+    None: unknown, the server's alone applies (no host-RAM limit when neither is known)."""
     gpu_free_bytes: int | None = None
     """The tightest GPU's free memory; None: no GPU (NVML absent)."""
 
@@ -172,11 +212,15 @@ class Action:
     reason: Reason
     n_cells: int
     n_bytes: int
-    """The snapshot's size, n_cells x bytes_per_cell."""
+    """Host RAM the action takes (park) or frees (resume): a swap's snapshot size, 0 for a recompute."""
     projected_after: float
     """The pressure this decision expects once the action is done."""
     waited_ms: int | None = None
     """For resume and end: how long the request has been parked."""
+    mode: ParkMode | None = None
+    """For a park: by swap or by recompute."""
+    mode_reason: ModeReason | None = None
+    """For a park: why that mode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,13 +310,16 @@ def _step_cells(slot: Slot) -> int:
 
 def _pool(kv: KvSnapshot) -> _Pool:
     idle = sum(s.cells for s in kv.slots if s.state is SlotState.IDLE)
+    # every prompt in progress reserves its whole rest, not only the next step's share (module docstring)
+    prefill = sum(max(0, s.n_prefill_left) for s in kv.slots if s.state is SlotState.PROMPT)
+    step = kv.next_step.n_total_max + max(0, prefill - kv.next_step.n_prompt_max)
     return _Pool(
         n_target=kv.n_cells,
         used_target=kv.n_cells_used,
         n_draft=kv.draft.n_cells if kv.draft is not None and kv.draft.n_cells > 0 else None,
         used_draft=kv.draft.n_cells_used if kv.draft is not None else 0,
         idle=idle,
-        step=kv.next_step.n_total_max,
+        step=step,
     )
 
 
@@ -304,6 +351,23 @@ def largest_resident(slots: Sequence[Slot]) -> Slot | None:
     return max(resident, key=lambda s: (s.cells, -_arrival(s), -_task(s), -s.id))
 
 
+def _snapshot_bytes(slot: Slot, kv: KvSnapshot) -> int:
+    """Host RAM a swap park of a generating slot takes: the server's exact size, else n_cells x bytes_per_cell
+    (an older server; it underestimates hybrid and iSWA models)."""
+    if slot.park.snapshot_bytes is not None:
+        return slot.park.snapshot_bytes
+    return slot.cells * kv.bytes_per_cell
+
+
+def _recompute_cheaper(n_cells: int, n_bytes: int, rates: ParkRates) -> bool:
+    """Evaluating the tokens again takes less time than copying the snapshot out and back (a park and its resume),
+    at the rates the server measured; False while either is unmeasured."""
+    copy, prompt = rates.copy_bytes_per_s, rates.prompt_tokens_per_s
+    if copy is None or prompt is None or copy <= 0 or prompt <= 0:
+        return False
+    return n_cells / prompt < 2 * n_bytes / copy
+
+
 @dataclass(slots=True)
 class _Plan:
     cfg: PolicyConfig
@@ -327,6 +391,26 @@ class _Plan:
         cands = [s for s in self.residents if s.state is SlotState.GENERATING and s.id_task is not None]
         return sorted(cands, key=lambda s: (self.parked_before(s), -_arrival(s), -_task(s), -s.id))
 
+    def park_mode(self, slot: Slot) -> tuple[ParkMode, ModeReason, int] | SkipReason:
+        """How to park this victim now, with why and the host RAM it takes; or why it cannot be parked."""
+        kv = self.inp.kv
+        modes = (ParkMode.SWAP,) if kv.park_modes is None else kv.park_modes  # an older server swaps only
+        recompute = ParkMode.RECOMPUTE in modes
+        if ParkMode.SWAP not in modes or (recompute and self.cfg.budget_bytes == 0):
+            if recompute:
+                return ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, 0
+            return SkipReason.PARKING_OFF
+        n_bytes = _snapshot_bytes(slot, kv)
+        if n_bytes > self.budget_left:
+            why, skip = ModeReason.BUDGET, SkipReason.BUDGET
+        elif n_bytes > self.host_left:
+            why, skip = ModeReason.HOST_RAM, SkipReason.HOST_RAM
+        elif recompute and _recompute_cheaper(slot.cells, n_bytes, kv.park_rates):
+            return ParkMode.RECOMPUTE, ModeReason.CHEAPER, 0
+        else:
+            return ParkMode.SWAP, ModeReason.FITS, n_bytes
+        return (ParkMode.RECOMPUTE, why, 0) if recompute else skip
+
     def park_until(self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool) -> bool:
         """Park victims in order until ``done()``. With ``all_or_nothing``, nothing is planned unless it gets there."""
         saved = (replace(self.pool), self.budget_left, self.host_left, list(self.residents))
@@ -338,19 +422,27 @@ class _Plan:
             if self.protected is not None and slot.id == self.protected.id:
                 skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.LARGEST))
                 continue
-            n_bytes = slot.cells * self.inp.kv.bytes_per_cell
-            if n_bytes > self.budget_left:
-                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.BUDGET))
+            choice = self.park_mode(slot)
+            if isinstance(choice, SkipReason):
+                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), choice))
                 continue
-            if n_bytes > self.host_left:
-                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.HOST_RAM))
-                continue
+            mode, why, n_bytes = choice
             self.pool.remove(slot)
             self.residents.remove(slot)
-            self.budget_left -= n_bytes
+            self.budget_left -= n_bytes  # only a swap holds host RAM: a recompute's n_bytes is 0
             self.host_left -= n_bytes
             planned.append(
-                Action(ActionKind.PARK, slot.id, _task(slot), reason, slot.cells, n_bytes, self.pool.ratio())
+                Action(
+                    ActionKind.PARK,
+                    slot.id,
+                    _task(slot),
+                    reason,
+                    slot.cells,
+                    n_bytes,
+                    self.pool.ratio(),
+                    mode=mode,
+                    mode_reason=why,
+                )
             )
         if all_or_nothing and not done():
             self.pool, self.budget_left, self.host_left, self.residents = saved
@@ -384,8 +476,9 @@ def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
 
     server_budget = kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else math.inf
     host_left: float = math.inf
-    if inp.host_available_bytes is not None:
-        host_left = max(0, inp.host_available_bytes - cfg.host_reserve_bytes)
+    available = [b for b in (inp.host_available_bytes, kv.host_ram_available_bytes) if b is not None]
+    if available:
+        host_left = max(0, min(available) - cfg.host_reserve_bytes)
     slots = sorted(kv.slots, key=lambda s: s.id)
     plan = _Plan(
         cfg=cfg,
@@ -466,7 +559,7 @@ def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
             _task(slot),
             reason,
             slot.cells,
-            slot.cells * plan.inp.kv.bytes_per_cell,
+            slot.park.bytes,
             plan.pool.ratio(),
             waited,
         )

@@ -264,11 +264,14 @@ class PolicySettings(_Group):
 
     snapshot_budget_mib: int = Field(default=8192, ge=0)
     """Host RAM in MiB that parked snapshots may hold (the smaller of this and the server's `--park-ram` applies);
-    the seed's 8192 MiB. 0 stops kvctl from parking."""
+    the seed's 8192 MiB. A victim whose snapshot does not fit what is left is parked by recompute instead (its cells
+    freed and evaluated again on resume). 0: park by recompute only, no snapshots in host RAM (with an older server
+    that cannot recompute, 0 stops kvctl from parking)."""
 
     host_ram_reserve_mib: int = Field(default=1024, ge=0)
-    """Host RAM in MiB never used for snapshots: a park needs the host's available memory minus this reserve, so a
-    park cannot push the host into swapping or the OOM killer."""
+    """Host RAM in MiB never used for snapshots: a swap park needs the host's available memory (the smaller of what
+    kvctl and the server see) minus this reserve, so a park cannot push the host into swapping or the OOM killer; a
+    victim whose snapshot does not fit is parked by recompute instead (with an older server, not at all)."""
 
     restore_margin_cells: int = Field(default=16, ge=0)
     """Cells added to a restored request's own cells and next-step cells when checking LOW: a few decode steps of

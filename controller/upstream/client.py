@@ -15,7 +15,7 @@ import aiohttp
 from pydantic import BaseModel, SecretStr, TypeAdapter, ValidationError
 from yarl import URL
 
-from controller.upstream.models import ErrorEnvelope, KvSnapshot, ParkResult, ResumeResult, Slot
+from controller.upstream.models import ErrorEnvelope, KvSnapshot, ParkMode, ParkResult, ResumeResult, Slot
 
 __all__ = [
     "LEASE_HEADER",
@@ -172,9 +172,16 @@ class UpstreamClient:
         except ValidationError as e:
             raise UpstreamProtocolError(f"/slots: unexpected answer: {e.errors()[0]['msg']}", status) from None
 
-    async def park(self, slot_id: int, id_task: int | None = None) -> ParkResult:
+    async def park(self, slot_id: int, id_task: int | None = None, mode: ParkMode | None = None) -> ParkResult:
+        """Park by ``mode``; None: the server's choice (swap when the snapshot fits its budget, else recompute).
+        An explicit swap that does not fit is a 503."""
         path = f"/slots/{slot_id}?action=park"
-        status, payload = await self._request("POST", path, {"id_task": id_task} if id_task is not None else {})
+        body: dict[str, Any] = {}
+        if id_task is not None:
+            body["id_task"] = id_task
+        if mode is not None:
+            body["mode"] = str(mode)
+        status, payload = await self._request("POST", path, body)
         return self._parse(ParkResult, path, status, payload)
 
     async def resume(self, slot_id: int, id_task: int | None = None) -> ResumeResult:

@@ -1,14 +1,18 @@
 """The JSON shapes of the patched llama-server's /kv, /slots, park and resume (see README, "Endpoints").
 
 Unknown fields are ignored, so a newer server does not break an older controller; a missing field
-fails parsing, so a server without the patches is reported as such instead of being misread.
+fails parsing, so a server without the patches is reported as such instead of being misread. Fields
+added by later patches (park modes and their costs) are optional: an older patched server still
+parses, and its absence reads as what that server does (parks by swap only). A park mode this
+controller does not know reads as None, or is left out of a list, for the same reason.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 __all__ = [
     "ErrorBody",
@@ -17,6 +21,8 @@ __all__ = [
     "Lease",
     "NextStep",
     "ParkInfo",
+    "ParkMode",
+    "ParkRates",
     "ParkResult",
     "ParkTimings",
     "PoolInfo",
@@ -63,15 +69,58 @@ class SlotState(StrEnum):
     PARKED = "parked"
 
 
+class ParkMode(StrEnum):
+    """How a request is parked."""
+
+    SWAP = "swap"
+    """Its cells are copied to host RAM (the snapshot's size) and copied back on resume."""
+    RECOMPUTE = "recompute"
+    """Its cells are freed, only its tokens kept; on resume the server evaluates them again, like a prompt."""
+
+
+_MODES = frozenset(m.value for m in ParkMode)
+
+
+def _known_mode(value: object) -> object:
+    """A mode of a newer server reads as None; anything but a string is left for the type check."""
+    return None if isinstance(value, str) and value not in _MODES else value
+
+
+def _known_modes(value: object) -> object:
+    if isinstance(value, list | tuple):
+        return tuple(v for v in value if not isinstance(v, str) or v in _MODES)
+    return value
+
+
+_Mode = Annotated[ParkMode | None, BeforeValidator(_known_mode)]
+
+
+class ParkRates(_Shape):
+    """What the server measured (moving averages); None: not measured yet."""
+
+    copy_bytes_per_s: float | None = None
+    """Host copy rate of swap parks and resumes."""
+    prompt_tokens_per_s: float | None = None
+    """Evaluation rate of prompts and re-evaluations."""
+
+
 class ParkInfo(_Shape):
     count: int
     bytes: int
     n_cells: int | None = None
-    """Cells the snapshot restores into, where the server reports it."""
+    """For a parked slot: the cells its resume needs (its full length), where the server reports it."""
     t_parked_total_ms: float
     parked_since_ms: int | None = None
     auto: bool = False
     test: bool = False
+    mode: _Mode = None
+    """The mode of the current park, or of the re-evaluation in progress."""
+    recomputing: bool = False
+    """Resumed by recompute and evaluating its tokens again (state ``prompt``)."""
+    snapshot_bytes: int | None = None
+    """Generating: the exact host bytes a swap park of it would take now (n_cells x bytes_per_cell underestimates
+    hybrid and iSWA models); swap-parked: the bytes it holds; recompute-parked: 0; otherwise, or from an older
+    server, None."""
 
 
 class Slot(_Shape):
@@ -84,6 +133,8 @@ class Slot(_Shape):
     n_decoded: int = 0
     n_draft_max: int = 0
     request_id: str | None = None
+    n_prefill_left: int = 0
+    """Tokens still to evaluate before it generates: the rest of its prompt, or of a re-evaluation."""
     park: ParkInfo
 
     @property
@@ -121,6 +172,13 @@ class KvSnapshot(_Shape):
     n_parked: int
     parked_bytes: int
     park_ram_budget_bytes: int | None = None
+    """The server's --park-ram in bytes (None: no limit); 0 on a server that offers modes: recompute only."""
+    park_modes: Annotated[tuple[ParkMode, ...] | None, BeforeValidator(_known_modes)] = None
+    """The modes the server parks by: () parking off, (recompute,) with --park-ram 0, or both; None: an older
+    server, which parks by swap only."""
+    host_ram_available_bytes: int | None = None
+    """The server's host memory available without swapping (MemAvailable); None: unknown."""
+    park_rates: ParkRates = ParkRates()
     auto_park: bool = False
     auto_resume_ratio: float | None = None
     lease: Lease | None = None
@@ -143,6 +201,10 @@ class ParkResult(_Shape):
     n_bytes_draft: int = 0
     park_count: int
     timings: ParkTimings
+    mode: _Mode = None
+    """The mode it was parked by; None: an older server (swap)."""
+    mode_reason: str | None = None
+    """The server's words for its choice: "requested", or why a swap could not be held."""
 
 
 class ResumeTimings(_Shape):
@@ -159,6 +221,8 @@ class ResumeResult(_Shape):
     n_bytes: int
     t_parked_ms: float
     timings: ResumeTimings
+    mode: _Mode = None
+    """The mode it had been parked by; a recompute resume answers at once and re-evaluates afterwards."""
 
 
 class ErrorBody(_Shape):

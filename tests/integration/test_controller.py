@@ -35,20 +35,37 @@ def request(prompt: str, n_predict: int) -> dict[str, Any]:
     return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "logit_bias": NO_BYTE_TOKENS}
 
 
+async def watch_park_modes(http: aiohttp.ClientSession, url: str, seen: dict[int, set[str]]) -> None:
+    """Record the mode /slots shows for each parked task, until cancelled."""
+    while True:
+        async with http.get(url + "/slots") as resp:
+            for s in await resp.json():
+                if s["state"] == "parked":
+                    seen.setdefault(s["id_task"], set()).add(s["park"]["mode"])
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("park_ram", [None, 1], ids=["default", "park-ram-1"])
 async def test_the_controller_parks_ahead_and_every_request_completes(
-    start_server: ServerFactory, http: aiohttp.ClientSession
+    start_server: ServerFactory, http: aiohttp.ClientSession, park_ram: int | None
 ) -> None:
-    srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park")
+    # park-ram-1: a budget that holds one snapshot of ~1900 cells (512 bytes each) and no second one,
+    # so the first victim is swapped and the later ones are parked by recompute
+    ram = ("--park-ram", str(park_ram)) if park_ram is not None else ()
+    srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park", *ram)
     settings = load_settings(overrides={"upstream": {"url": srv.url}})
     high = settings.policy.high
+    seen: dict[int, set[str]] = {}
     async with UpstreamClient(srv.url, timeout_s=settings.upstream.timeout_s) as client:
         loop = ControlLoop(client, settings, Metrics(CollectorRegistry()))
         task = asyncio.create_task(loop.run(), name="control loop")
+        watch = asyncio.create_task(watch_park_modes(http, srv.url, seen))
         try:
             results: list[StreamResult] = await asyncio.gather(
                 *[stream_completion(http, srv.url, request(f"Story number {i}:", 3000)) for i in range(4)]
             )
         finally:
+            watch.cancel()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -76,6 +93,25 @@ async def test_the_controller_parks_ahead_and_every_request_completes(
     assert m["llamacpp:slot_auto_parks_total"] == 0, "the server's safety net is off: every park is the controller's"
     assert m["llamacpp:slot_parks_total"] == state.parks
     assert m["llamacpp:slots_parked"] == 0 and m["llamacpp:parked_bytes"] == 0
+
+    def parks(mode: str) -> float:
+        return sum(
+            s.value
+            for metric in registry.collect()
+            if metric.name == "kvctl_parks"
+            for s in metric.samples
+            if s.name == "kvctl_parks_total" and s.labels.get("mode") == mode
+        )
+
+    assert parks("swap") + parks("recompute") == state.parks
+    assert m["llamacpp:slot_recompute_parks_total"] == parks("recompute")
+    modes_seen = set().union(*seen.values()) if seen else set()
+    if park_ram is None:
+        assert parks("recompute") == 0, "every snapshot fits the default budget, and a copy is cheap here"
+        assert modes_seen == {"swap"}
+    else:
+        assert parks("swap") >= 1 and parks("recompute") >= 1
+        assert modes_seen == {"swap", "recompute"}
 
 
 # --- supervisor ----------------------------------------------------------------------------------

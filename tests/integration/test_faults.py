@@ -353,40 +353,29 @@ async def test_the_server_killed_mid_stream_is_restarted_and_every_client_gets_a
 # --- host RAM short ---------------------------------------------------------------------------------
 
 
-async def test_host_ram_short_no_park_by_kvctl_and_the_safety_net_saves_every_request(
+async def test_host_ram_short_kvctl_parks_by_recompute_and_every_request_completes(
     start_server: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
-    srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics")  # safety net on
-    blocked: list[float] = []
+    srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park")  # kvctl alone
     with capture_logs() as logs:
-        # a reserve larger than any host's RAM: no snapshot fits in what is left
+        # a reserve larger than any host's RAM: no snapshot fits in what is left, so no swap
         async with kvctl_app(srv.url, policy={"host_ram_reserve_mib": 1 << 30}) as (app, url, admin):
-            registry = app.metrics.registry
-
-            def sample() -> None:
-                value = registry.get_sample_value("kvctl_skipped_candidates", {"action": "park", "reason": "host_ram"})
-                if value:
-                    blocked.append(value)
-
-            app.loop.add_poll_listener(sample)
             results = await asyncio.gather(
                 *[stream_completion(http, url, request(f"Story number {i}:", 3000)) for i in range(4)]
             )
             assert_complete(results, 3000)
-            assert app.loop.state.parks == 0 and app.loop.state.loop_restarts == 0
+            assert app.loop.state.parks > 0 and app.loop.state.loop_restarts == 0
             m = await metrics_text(http, admin)
-            assert samples(m, "kvctl_parks_total") == 0
-            assert "kvctl_skipped_candidates" in m
+            assert samples(m, "kvctl_parks_total") == app.loop.state.parks
+            assert 'mode="swap"' not in m and 'mode="recompute"' in m
             async with http.get(admin + "/healthz") as resp:
                 assert resp.status == 200
-    assert blocked, "the policy wanted to park and said why in kvctl_skipped_candidates"
-    warnings = [e for e in logs if e["event"] == "park.blocked"]
-    assert len(warnings) == 1, "one warning, not one per poll"
-    assert warnings[0]["reason"] == "host_ram" and warnings[0]["log_level"] == "warning"
-    assert warnings[0]["host_ram_reserve_bytes"] == (1 << 30) * 2**20
+    done = [e for e in logs if e["event"] == "park.done"]
+    assert done and all(e["mode"] == "recompute" and e["mode_reason"] == "host_ram" for e in done)
+    assert not [e for e in logs if e["event"] == "park.blocked"], "no victim is passed over for memory"
     sm = await server_metrics(http, srv.url)
-    assert sm["llamacpp:slot_parks_total"] == sm["llamacpp:slot_auto_parks_total"] > 0, "every park is the server's"
-    assert sm["llamacpp:slots_parked"] == 0
+    assert sm["llamacpp:slot_recompute_parks_total"] == sm["llamacpp:slot_parks_total"] == app.loop.state.parks
+    assert sm["llamacpp:slots_parked"] == 0 and sm["llamacpp:parked_bytes"] == 0
     assert "Context size has been exceeded" not in srv.log_text()
 
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.upstream.models import KvSnapshot, Lease, NextStep, ParkInfo, PoolInfo, Slot, SlotState
+from controller.upstream.models import (
+    KvSnapshot,
+    Lease,
+    NextStep,
+    ParkInfo,
+    ParkMode,
+    ParkRates,
+    PoolInfo,
+    Slot,
+    SlotState,
+)
 
 
 @dataclass(frozen=True)
@@ -18,7 +28,10 @@ class S:
     park_count: int = 0
     parked_since_ms: int | None = None
     n_draft_max: int = 0
-    n_prompt_left: int = 0  # prompt state: tokens still to prefill
+    n_prompt_left: int = 0  # prompt state: tokens still to prefill (or to re-evaluate, with recomputing)
+    snapshot_bytes: int | None = None  # generating: what a swap park of it takes (the server's exact figure)
+    mode: ParkMode | None = None  # parked: how (None: swap)
+    recomputing: bool = False  # prompt state: resumed by recompute, evaluating its tokens again
 
 
 def kv(
@@ -29,7 +42,12 @@ def kv(
     bytes_per_cell: int = 1000,
     budget: int | None = None,
     n_batch: int = 512,
+    park_modes: tuple[ParkMode, ...] | None = None,
+    host_ram: int | None = None,
+    rates: ParkRates | None = None,
 ) -> KvSnapshot:
+    """park_modes None: an older server (swap only, no costs published); host_ram and rates: what a newer server
+    reports of the host's available memory and of its measured copy and prompt rates."""
     out = []
     used = 0
     parked_bytes = 0
@@ -37,8 +55,10 @@ def kv(
     for i, s in enumerate(slots):
         state = SlotState(s.state)
         task = s.id_task if s.id_task is not None else (None if state is SlotState.IDLE else 100 + i)
+        recompute = state is SlotState.PARKED and s.mode is ParkMode.RECOMPUTE
+        held = 0 if recompute else s.n_cells * bytes_per_cell
         if state is SlotState.PARKED:
-            parked_bytes += s.n_cells * bytes_per_cell
+            parked_bytes += held
         else:
             used += s.n_cells
         if state is SlotState.GENERATING:
@@ -49,6 +69,8 @@ def kv(
         # like the server: a parked slot holds no cells; its size shows in its prompt and generated tokens
         slot_prompt = s.n_cells // 2
         slot_decoded = s.n_cells - slot_prompt + 1 if s.n_cells else 0
+        parked = state is SlotState.PARKED
+        newer = park_modes is not None  # an older server reports no mode, full length or snapshot size
         out.append(
             Slot(
                 id=i,
@@ -59,11 +81,16 @@ def kv(
                 n_decoded=slot_decoded,
                 t_arrival_ms=s.t_arrival_ms if task is not None else None,
                 n_draft_max=s.n_draft_max,
+                n_prefill_left=s.n_prompt_left if state is SlotState.PROMPT else 0,
                 park=ParkInfo(
                     count=s.park_count,
-                    bytes=s.n_cells * bytes_per_cell if state is SlotState.PARKED else 0,
+                    bytes=held if state is SlotState.PARKED else 0,
                     t_parked_total_ms=0,
                     parked_since_ms=s.parked_since_ms if state is SlotState.PARKED else None,
+                    n_cells=s.n_cells if parked and newer else None,
+                    mode=(s.mode or ParkMode.SWAP) if parked and newer else s.mode,
+                    recomputing=s.recomputing,
+                    snapshot_bytes=(held if parked else s.snapshot_bytes) if newer else None,
                 ),
             )
         )
@@ -93,6 +120,9 @@ def kv(
         n_parked=sum(1 for s in out if s.state is SlotState.PARKED),
         parked_bytes=parked_bytes,
         park_ram_budget_bytes=budget,
+        park_modes=park_modes,
+        host_ram_available_bytes=host_ram,
+        park_rates=rates or ParkRates(),
         lease=Lease(held=True, ttl_s=10, age_ms=0),
         slots=tuple(out),
     )

@@ -152,6 +152,23 @@ async def test_manual_park_and_resume_through_the_cli(
         assert r.status == 404
 
 
+async def test_a_manual_park_may_ask_for_a_mode(
+    fake: FakeLlamaServer, running: tuple[App, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    app, url = running
+    await wait_polled(app)
+    for query in ("?mode=offload", "?mode="):
+        async with aiohttp.ClientSession() as s, s.post(url + "/slots/0/park" + query) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_mode"
+    async with aiohttp.ClientSession() as s, s.post(url + "/slots/0/resume?mode=swap") as r:
+        assert r.status == 400, "a resume takes no mode"
+    assert not [s for s in fake.seen if s.query.get("action") in ("park", "resume")]
+    admin = url.removeprefix("http://")
+    assert await asyncio.to_thread(main, ["park", "0", "--mode", "recompute", "--admin", admin]) == 0
+    assert json.loads(capsys.readouterr().out)["pinned"] is True
+    assert [s.body for s in fake.seen if s.query.get("action") == "park"] == [b'{"id_task": 8, "mode": "recompute"}']
+
+
 async def test_status_exit_codes(
     fake: FakeLlamaServer, running: tuple[App, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -25,9 +25,12 @@ from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
 NOW = 10_000_000
 
 
-def settings(**loop: Any) -> Settings:
+def settings(policy: dict[str, Any] | None = None, **loop: Any) -> Settings:
     return load_settings(
-        overrides={"loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05, **loop}}
+        overrides={
+            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05, **loop},
+            "policy": policy or {},
+        }
     )
 
 
@@ -89,11 +92,48 @@ async def test_a_poll_under_pressure_parks_the_newest_and_records_it(
     parks = [s for s in fake.seen if s.query.get("action") == "park"]
     assert [(p.path, p.body) for p in parks] == [("/slots/2", b'{"id_task": 3}')]
     assert loop.state.history[3].parks == 1 and not loop.state.history[3].pinned
-    assert sample(loop, "kvctl_parks_total", reason="pressure") == 1
+    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="swap") == 1, "an older server: by swap"
     assert sample(loop, "kvctl_upstream_up") == 1
     assert loop.state.max_pressure == pytest.approx(953 / 1000)
     events = [e for e in logs if e["event"] == "park.done"]
     assert events and events[0]["reason"] == "pressure" and events[0]["slot"] == 2
+
+
+def park_answer(slot: int, task: int, **extra: Any) -> Reply:
+    body = {
+        "id_slot": slot,
+        "id_task": task,
+        "action": "park",
+        "n_cells": 150,
+        "n_bytes": 0,
+        "park_count": 1,
+        "timings": {"park_ms": 0.2},
+    }
+    return Reply(body={**body, **extra})
+
+
+async def test_the_policy_s_mode_is_asked_for_and_counted_as_the_server_answers(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    fake.kv = {**pressured(), "park_modes": ["swap", "recompute"]}
+    loop = make_loop(client, settings(policy={"snapshot_budget_mib": 0}))  # 0: recompute only
+    fake.queue("POST park", park_answer(2, 3, mode="recompute", mode_reason="requested"))
+    with capture_logs() as logs:
+        assert await loop.step()
+    parks = [s for s in fake.seen if s.query.get("action") == "park"]
+    assert [p.body for p in parks] == [b'{"id_task": 3, "mode": "recompute"}']
+    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute") == 1
+    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="swap") == 0
+    done = [e for e in logs if e["event"] == "park.done"]
+    assert len(done) == 1
+    assert (done[0]["mode"], done[0]["mode_reason"], done[0]["server_mode_reason"]) == (
+        "recompute",
+        "recompute_only",
+        "requested",
+    )
+    # an answer that does not name its mode is counted by the mode asked for
+    assert await loop.step()
+    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute") == 2
 
 
 async def test_a_refused_action_stops_the_rest_of_the_decision(fake: FakeLlamaServer, client: UpstreamClient) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from controller.policy import (
     ActionKind,
     Decision,
+    ModeReason,
     PolicyConfig,
     PolicyInput,
     Reason,
@@ -22,11 +23,12 @@ from controller.policy import (
     pressure,
 )
 from controller.settings import RestoreOrder
-from controller.upstream.models import KvSnapshot, Slot, SlotState
+from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState
 from tests.unit.snapshots import S, kv
 
 CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)
 NOW = 1_000_000
+BOTH = (ParkMode.SWAP, ParkMode.RECOMPUTE)  # a server that parks by swap and by recompute
 
 
 def run(snapshot: KvSnapshot, cfg: PolicyConfig = CFG, **kw: object) -> Decision:
@@ -60,6 +62,17 @@ def test_projection_counts_next_step_and_leaves_idle_caches_out() -> None:
     p = pressure(snap)
     assert p.target == pytest.approx((700 + 1 + 3 + 1) / 1000)
     assert p.draft is None and p.value == p.target
+
+
+def test_a_prompt_reserves_its_whole_unprefilled_rest_not_only_the_next_batch() -> None:
+    # n_batch 64: the server's next step bounds the prompt at 63 tokens, but it goes on to take 500
+    snap = kv(1000, [S("generating", 300, t_arrival_ms=1), S("prompt", 100, n_prompt_left=500)], n_batch=64)
+    assert snap.next_step.n_prompt_max == 63
+    assert pressure(snap).target == pytest.approx((400 + 1 + 500) / 1000)
+    # the next step's share is part of the rest: counted once
+    small = kv(1000, [S("generating", 300, t_arrival_ms=1), S("prompt", 100, n_prompt_left=40)], n_batch=64)
+    assert small.next_step.n_prompt_max == 40
+    assert pressure(small).target == pytest.approx((400 + 1 + 40) / 1000)
 
 
 def test_the_draft_pool_counts_when_it_is_the_tighter_one() -> None:
@@ -192,6 +205,111 @@ def test_when_every_candidate_is_parked_and_it_is_still_high_it_says_so() -> Non
     assert any(s.reason is SkipReason.UNRESOLVED for s in d.skipped)
 
 
+# --- park modes ------------------------------------------------------------------------------------
+
+# 962 of 1000 projected: slot 1 (the newest, 460 cells, not the largest) must be parked; its exact snapshot is
+# 4700 bytes, more than its 460 cells x 10 bytes (a hybrid model's recurrent state, say)
+MODAL = [S("generating", 500, t_arrival_ms=1), S("generating", 460, t_arrival_ms=2, snapshot_bytes=4700)]
+
+
+def modal(**kw: object) -> KvSnapshot:
+    return kv(1000, MODAL, bytes_per_cell=10, **{"park_modes": BOTH, **kw})  # type: ignore[arg-type]
+
+
+def park_modes(d: Decision) -> list[tuple[int, ParkMode | None, ModeReason | None, int]]:
+    return [(a.slot, a.mode, a.mode_reason, a.n_bytes) for a in d.parks]
+
+
+def test_a_snapshot_that_fits_is_parked_by_swap_at_its_exact_size() -> None:
+    d = run(modal(host_ram=10**9))
+    assert park_modes(d) == [(1, ParkMode.SWAP, ModeReason.FITS, 4700)]
+    assert d.skipped == ()
+
+
+def test_a_snapshot_over_the_budget_is_parked_by_recompute() -> None:
+    d = run(modal(), replace(CFG, budget_bytes=4699))
+    assert park_modes(d) == [(1, ParkMode.RECOMPUTE, ModeReason.BUDGET, 0)]
+    assert d.skipped == (), "a server that recomputes: nobody is passed over for memory"
+    # the server's --park-ram, less what is parked, is the tighter one here
+    snap = kv(1000, [*MODAL, S("parked", 10, parked_since_ms=NOW)], bytes_per_cell=10, park_modes=BOTH, budget=4750)
+    assert park_modes(run(snap)) == [(1, ParkMode.RECOMPUTE, ModeReason.BUDGET, 0)]
+    # a recompute-parked request holds no host RAM: it leaves the budget to the swap
+    snap = kv(
+        1000,
+        [*MODAL, S("parked", 10, parked_since_ms=NOW, mode=ParkMode.RECOMPUTE)],
+        bytes_per_cell=10,
+        park_modes=BOTH,
+        budget=4750,
+    )
+    assert park_modes(run(snap)) == [(1, ParkMode.SWAP, ModeReason.FITS, 4700)]
+
+
+def test_a_snapshot_over_the_host_headroom_is_parked_by_recompute() -> None:
+    cfg = replace(CFG, host_reserve_bytes=1000)
+    # the smaller of what kvctl (psutil) and the server see, less the reserve
+    assert park_modes(run(modal(host_ram=5700), cfg, host_available_bytes=10**9)) == [
+        (1, ParkMode.SWAP, ModeReason.FITS, 4700)
+    ]
+    for server, ours in ((5699, 10**9), (10**9, 5699), (5699, None)):
+        d = run(modal(host_ram=server), cfg, host_available_bytes=ours)
+        assert park_modes(d) == [(1, ParkMode.RECOMPUTE, ModeReason.HOST_RAM, 0)], (server, ours)
+
+
+def test_recompute_when_the_measured_rates_say_it_is_cheaper_than_the_copy() -> None:
+    # evaluating 460 tokens at 1000/s: 0.46 s; copying 4700 bytes out and back at 10 kB/s: 0.94 s
+    slow_copy = ParkRates(copy_bytes_per_s=10_000, prompt_tokens_per_s=1000)
+    assert park_modes(run(modal(rates=slow_copy))) == [(1, ParkMode.RECOMPUTE, ModeReason.CHEAPER, 0)]
+    fast_copy = ParkRates(copy_bytes_per_s=25_000, prompt_tokens_per_s=1000)  # 0.376 s
+    assert park_modes(run(modal(rates=fast_copy))) == [(1, ParkMode.SWAP, ModeReason.FITS, 4700)]
+    unmeasured = ParkRates(copy_bytes_per_s=None, prompt_tokens_per_s=1000)
+    assert park_modes(run(modal(rates=unmeasured))) == [(1, ParkMode.SWAP, ModeReason.FITS, 4700)]
+
+
+def test_recompute_only_on_a_server_without_swap_or_with_a_zero_budget() -> None:
+    only = (ParkMode.RECOMPUTE,)
+    assert park_modes(run(modal(park_modes=only, budget=0))) == [(1, ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, 0)]
+    assert park_modes(run(modal(), replace(CFG, budget_bytes=0))) == [
+        (1, ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, 0)
+    ]
+
+
+def test_an_older_server_parks_by_swap_only_and_passes_over_what_does_not_fit() -> None:
+    snap = kv(1000, MODAL, bytes_per_cell=10)  # no park_modes: the snapshot size is n_cells x bytes_per_cell
+    assert park_modes(run(snap)) == [(1, ParkMode.SWAP, ModeReason.FITS, 4600)]
+    for d in (run(snap, replace(CFG, budget_bytes=4599)), run(snap, replace(CFG, budget_bytes=0))):
+        assert d.parks == ()
+        assert [(s.slot, s.reason) for s in d.skipped][:2] == [(1, SkipReason.BUDGET), (0, SkipReason.LARGEST)]
+    d = run(snap, host_available_bytes=4599)
+    assert d.parks == () and any(s.reason is SkipReason.HOST_RAM for s in d.skipped)
+
+
+def test_a_server_that_parks_by_no_mode_gets_no_parks() -> None:
+    d = run(modal(park_modes=()))
+    assert d.parks == ()
+    assert (d.skipped[0].slot, d.skipped[0].reason) == (1, SkipReason.PARKING_OFF)
+
+
+def test_a_budget_that_holds_one_snapshot_swaps_the_first_victim_and_recomputes_the_second() -> None:
+    slots = [
+        S("generating", 600, t_arrival_ms=1),
+        S("generating", 300, t_arrival_ms=2),
+        S("generating", 40, t_arrival_ms=3),
+        S("generating", 40, t_arrival_ms=4),
+    ]
+    # 984 projected: parking the newest leaves 943, still at HIGH; the next one makes it 902
+    d = run(kv(1000, slots, bytes_per_cell=10, park_modes=BOTH), replace(CFG, budget_bytes=500))
+    assert park_modes(d) == [
+        (3, ParkMode.SWAP, ModeReason.FITS, 400),
+        (2, ParkMode.RECOMPUTE, ModeReason.BUDGET, 0),
+    ]
+    # the host headroom is used up the same way, by swaps only
+    d = run(kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, host_ram=500))
+    assert park_modes(d) == [
+        (3, ParkMode.SWAP, ModeReason.FITS, 400),
+        (2, ParkMode.RECOMPUTE, ModeReason.HOST_RAM, 0),
+    ]
+
+
 # --- restoring -------------------------------------------------------------------------------------
 
 
@@ -208,6 +326,38 @@ def test_restore_while_it_stays_at_or_below_low() -> None:
     assert resumed_slots(d) == [1]  # 400 + 300 + 2 = 702; adding the other would make 903 > 800
     assert d.resumes[0].reason is Reason.BELOW_LOW
     assert any(s.reason is SkipReason.ABOVE_LOW and s.slot == 2 for s in d.skipped)
+
+
+def test_a_request_evaluating_its_tokens_again_counts_at_its_full_length() -> None:
+    # slot 1 was resumed by recompute: 100 of its 600 tokens evaluated again, 500 to go (63 in the next batch)
+    slots = [
+        S("generating", 300, t_arrival_ms=1),
+        S("prompt", 100, t_arrival_ms=2, n_prompt_left=500, mode=ParkMode.RECOMPUTE, recomputing=True),
+        S("parked", 300, parked_since_ms=NOW - 10),
+    ]
+    snap = kv(1000, slots, park_modes=BOTH, n_batch=64)
+    assert snap.slots[1].park.recomputing and snap.next_step.n_prompt_max == 63
+    # 300 + 1 + 100 + 500 + 300 + 1 = 1202 > 800
+    d = run(snap)
+    assert d.resumes == ()
+    assert any(s.reason is SkipReason.ABOVE_LOW and s.slot == 2 for s in d.skipped)
+    # counting only the next batch, it would fit: 300 + 1 + 100 + 63 + 300 + 1 = 765
+    unreserved = snap.model_copy(
+        update={"slots": tuple(s.model_copy(update={"n_prefill_left": 0}) for s in snap.slots)}
+    )
+    assert resumed_slots(run(unreserved)) == [2]
+
+
+def test_a_request_parked_by_recompute_is_restored_at_its_full_length() -> None:
+    snap = kv(
+        1000,
+        [S("generating", 300, t_arrival_ms=1), S("parked", 450, parked_since_ms=NOW - 10, mode=ParkMode.RECOMPUTE)],
+        park_modes=BOTH,
+    )
+    assert snap.slots[1].park.n_cells == 450 and snap.slots[1].park.bytes == 0
+    d = run(snap)
+    assert [(a.slot, a.n_cells, a.n_bytes) for a in d.resumes] == [(1, 450, 0)]  # 752 <= 800; it frees no host RAM
+    assert run(snap, replace(CFG, margin_cells=49)).resumes == ()  # 801 > 800
 
 
 def test_the_margin_counts() -> None:
@@ -366,6 +516,16 @@ def test_admission_allowance_is_how_many_reserved_requests_fit_below_high() -> N
     assert admission(PolicyInput(parked, NOW), CFG, 10).allowance == 0
 
 
+def test_admission_reserves_the_unprefilled_rest_of_prompts_in_progress() -> None:
+    snap = kv(1000, [S("prompt", 100, t_arrival_ms=1, n_prompt_left=600)], n_batch=64)
+    a = admission(PolicyInput(snap, NOW), CFG, 100)
+    assert a.allowance == 2  # 700 + 2 x 101 = 902 < 940; 3 would reach HIGH
+    assert a.room_cells == 239
+    # a re-evaluation after a recompute resume reserves the same way
+    snap = kv(1000, [S("prompt", 100, t_arrival_ms=1, n_prompt_left=600, recomputing=True)], n_batch=64)
+    assert admission(PolicyInput(snap, NOW), CFG, 100).allowance == 2
+
+
 @given(st.integers(1, 4096), st.integers(0, 4096), st.integers(1, 2000))
 def test_admission_allowance_is_exact(n_cells: int, used: int, reserve: int) -> None:
     used = min(used, n_cells)
@@ -390,6 +550,9 @@ POOL = st.integers(min_value=64, max_value=4096)
 def snapshots(draw: st.DrawFn) -> tuple[KvSnapshot, PolicyConfig, int | None]:
     n = draw(POOL)
     n_slots = draw(st.integers(1, 8))
+    bpc = draw(st.sampled_from([1, 512, 1000]))
+    # None: an older server (swap only, no costs published)
+    modes = draw(st.sampled_from([None, None, (), (ParkMode.RECOMPUTE,), BOTH, BOTH]))
     slots: list[S] = []
     free = n
     for i in range(n_slots):
@@ -408,9 +571,11 @@ def snapshots(draw: st.DrawFn) -> tuple[KvSnapshot, PolicyConfig, int | None]:
                 parked_since_ms=NOW - draw(st.integers(0, 60_000)),
                 n_draft_max=draw(st.sampled_from([0, 0, 2, 5])),
                 n_prompt_left=draw(st.integers(0, 600)),
+                snapshot_bytes=cells * bpc + draw(st.sampled_from([0, 0, 1, bpc * 100])),
+                mode=draw(st.sampled_from([None, ParkMode.RECOMPUTE])) if modes and state == "parked" else None,
+                recomputing=modes is not None and state == "prompt" and draw(st.booleans()),
             )
         )
-    bpc = draw(st.sampled_from([1, 512, 1000]))
     budget = draw(st.none() | st.integers(0, 2 * n * bpc))
     draft = draw(st.none() | st.integers(max(1, n - free), 2 * n))
     cfg = PolicyConfig(
@@ -425,7 +590,20 @@ def snapshots(draw: st.DrawFn) -> tuple[KvSnapshot, PolicyConfig, int | None]:
     )
     cfg = replace(cfg, low=draw(st.floats(0.05, cfg.high - 0.01)))
     host = draw(st.none() | st.integers(0, 2 * n * bpc))
-    return kv(n, slots, draft_cells=draft, bytes_per_cell=bpc, budget=budget), cfg, host
+    server_host = draw(st.none() | st.integers(0, 2 * n * bpc)) if modes is not None else None
+    rate = st.none() | st.floats(1.0, 1e9)
+    rates = ParkRates(copy_bytes_per_s=draw(rate), prompt_tokens_per_s=draw(rate))
+    snap = kv(
+        n,
+        slots,
+        draft_cells=draft,
+        bytes_per_cell=bpc,
+        budget=budget,
+        park_modes=modes,
+        host_ram=server_host,
+        rates=rates if modes is not None else None,
+    )
+    return snap, cfg, host
 
 
 def largest(slots: tuple[Slot, ...]) -> Slot | None:
@@ -454,10 +632,24 @@ def test_parks_never_exceed_the_budget_or_the_host_headroom(
     parked = sum(a.n_bytes for a in d.parks)
     server = snap.park_ram_budget_bytes if snap.park_ram_budget_bytes is not None else float("inf")
     assert parked <= max(0, min(cfg.budget_bytes, server) - snap.parked_bytes)
-    if host is not None:
-        assert parked <= max(0, host - cfg.host_reserve_bytes)
+    for available in (host, snap.host_ram_available_bytes):
+        if available is not None:
+            assert parked <= max(0, available - cfg.host_reserve_bytes)
+    modes = snap.park_modes
+    by_id = {s.id: s for s in snap.slots}
     for a in d.parks:
-        assert a.n_bytes == a.n_cells * snap.bytes_per_cell
+        size = by_id[a.slot].park.snapshot_bytes
+        if a.mode is ParkMode.SWAP:
+            assert modes is None or ParkMode.SWAP in modes
+            assert a.n_bytes == (size if size is not None else a.n_cells * snap.bytes_per_cell)
+        else:
+            assert a.mode is ParkMode.RECOMPUTE and modes is not None and ParkMode.RECOMPUTE in modes
+            assert a.n_bytes == 0
+    memory = {SkipReason.BUDGET, SkipReason.HOST_RAM}
+    if modes is not None and ParkMode.RECOMPUTE in modes:
+        assert not [s for s in d.skipped if s.reason in memory], "a server that recomputes: nobody waits for memory"
+    if modes == ():
+        assert d.parks == ()
 
 
 @PROPS
@@ -484,7 +676,10 @@ def test_restores_stay_at_or_below_low_except_through_the_no_starvation_rule(
     by_id = {s.id: s for s in snap.slots}
     idle = sum(s.n_cells for s in snap.slots if s.state is SlotState.IDLE)
     active = snap.n_cells_used - idle
-    step = snap.next_step.n_total_max
+    # every prompt in progress reserves its whole rest, of which the next step's prompt tokens are part
+    prefill = sum(s.n_prefill_left for s in snap.slots if s.state is SlotState.PROMPT)
+    nxt = snap.next_step
+    step = nxt.n_gen + nxt.n_draft_max + max(nxt.n_prompt_max, prefill)
     residents = sum(1 for s in snap.slots if s.state in (SlotState.PROMPT, SlotState.GENERATING))
     pools = [snap.n_cells] + ([snap.draft.n_cells] if snap.draft and snap.draft.n_cells > 0 else [])
     draft_used = snap.draft.n_cells_used - idle if snap.draft else 0

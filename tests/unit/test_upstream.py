@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestServer
 from pydantic import SecretStr
 
 from controller.upstream import (
+    ParkMode,
     SlotState,
     UpstreamApiError,
     UpstreamClient,
@@ -56,6 +57,79 @@ async def test_park_and_resume_send_the_task_guard(fake: FakeLlamaServer, client
         ("park", b'{"id_task": 41}'),
         ("resume", b'{"id_task": 41}'),
     ]
+
+
+async def test_park_sends_the_mode_asked_for(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    await client.park(2, 41, ParkMode.RECOMPUTE)
+    await client.park(2, None, ParkMode.SWAP)
+    await client.park(2, 41)  # the server's choice
+    assert [s.body for s in fake.seen] == [
+        b'{"id_task": 41, "mode": "recompute"}',
+        b'{"mode": "swap"}',
+        b'{"id_task": 41}',
+    ]
+    fake.queue(
+        "POST park",
+        Reply(
+            body={
+                "id_slot": 2,
+                "id_task": 41,
+                "action": "park",
+                "mode": "recompute",
+                "mode_reason": "requested",
+                "n_cells": 300,
+                "n_bytes": 0,
+                "park_count": 1,
+                "timings": {"park_ms": 0.1},
+            }
+        ),
+    )
+    park = await client.park(2, 41, ParkMode.RECOMPUTE)
+    assert (park.mode, park.mode_reason, park.n_bytes) == (ParkMode.RECOMPUTE, "requested", 0)
+    assert (await client.resume(2, 41)).mode is None, "an older server does not say"
+
+
+async def test_kv_reads_park_modes_and_costs_and_an_older_server_still_parses(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    old = await client.get_kv()
+    assert old.park_modes is None and old.host_ram_available_bytes is None
+    assert old.park_rates.copy_bytes_per_s is None and old.slots == ()
+    fake.kv = kv_body(
+        1000,
+        [
+            {
+                "state": "generating",
+                "n_cells": 300,
+                "id_task": 7,
+                "n_prefill_left": 0,
+                "park": {"count": 0, "bytes": 0, "t_parked_total_ms": 0, "mode": None, "snapshot_bytes": 160_000},
+            },
+            {
+                "state": "prompt",
+                "n_cells": 40,
+                "id_task": 8,
+                "n_prefill_left": 260,
+                "park": {"count": 1, "bytes": 0, "t_parked_total_ms": 5, "mode": "recompute", "recomputing": True},
+            },
+            {
+                "state": "parked",
+                "id_task": 9,
+                "park": {"count": 1, "bytes": 0, "t_parked_total_ms": 5, "mode": "offload", "n_cells": 120},
+            },
+        ],
+        park_modes=["swap", "recompute", "offload"],  # a mode of a newer server is left out
+        host_ram_available_bytes=2**34,
+        park_rates={"copy_bytes_per_s": 4.5e9, "prompt_tokens_per_s": None},
+    )
+    kv = await client.get_kv()
+    assert kv.park_modes == (ParkMode.SWAP, ParkMode.RECOMPUTE)
+    assert kv.host_ram_available_bytes == 2**34
+    assert (kv.park_rates.copy_bytes_per_s, kv.park_rates.prompt_tokens_per_s) == (4.5e9, None)
+    gen, prompt, parked = kv.slots
+    assert gen.park.snapshot_bytes == 160_000 and gen.park.mode is None
+    assert prompt.n_prefill_left == 260 and prompt.park.recomputing and prompt.park.mode is ParkMode.RECOMPUTE
+    assert parked.park.mode is None and parked.cells == 120
 
 
 def test_the_api_key_stays_out_of_repr() -> None:
