@@ -5,16 +5,20 @@
 For sequences of 256 to 16384 cells, parks and resumes a generating request through the API:
   swap       the server's own park_ms / resume_ms, the snapshot size and the resulting bandwidth,
              next to a numpy copy of the same number of bytes measured in the same run;
-  recompute  the park's round trip, and the resume until the stream's next token (the server
-             answers at once, re-evaluates the tokens, then decodes one step);
+  recompute  the park's round trip, the resume until the stream's next token (the server answers
+             at once, re-evaluates the tokens, then decodes one step), and the server's own time
+             for the re-evaluation (timings.recompute_ms per resume);
   prefill    the server's prompt_ms for a fresh prompt of the same length (no cache).
-A recompute resume of N tokens should cost about a prefill of N tokens: the last column is their ratio.
+A recompute resume of N tokens should cost about a prefill of N tokens: the last column is the ratio of
+the server's re-evaluation time to its prompt_ms.
+Recompute rows above 4096 cells are measured once (a CPU prefill of 16k cells takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -49,7 +53,8 @@ async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], lis
             "cache_prompt": False,
         }
         async with s.post(url + "/completion", json=body) as resp:
-            await resp.content.readline()  # generating now
+            while not (await resp.content.readline()).startswith(b"data: "):
+                pass  # a ping or a notice can come first: wait for the first token
             for _ in range(repeat):
                 st, b, _ = await post_action(s, url, 0, "park")
                 assert st == 200, b
@@ -74,12 +79,18 @@ def long_request(n_cells: int, **extra: object) -> dict[str, object]:
     }
 
 
-async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], list[float]]:
-    """Round trips of recompute parks, resume-to-generating times, and a prefill's prompt_ms of the same length."""
+async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], float, list[float]]:
+    """Round trips of recompute parks, resumes until the next token (client side), the server's mean re-evaluation
+    time per resume (its timings.recompute_ms), and a prefill's prompt_ms of the same length."""
     park_ms, resume_ms, prefill_ms = [], [], []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        async with s.post(url + "/completion", json=long_request(n_cells, stream=True)) as resp:
-            await resp.content.readline()  # generating now
+    reeval_ms = float("nan")
+    timeout = aiohttp.ClientTimeout(total=None)  # a CPU prefill of 16k tokens takes minutes
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=timeout) as s:
+        # short enough to read the final timings, long enough for every park to find the request generating
+        body = long_request(n_cells, stream=True, n_predict=20 * repeat + 20)
+        async with s.post(url + "/completion", json=body) as resp:
+            while not (await resp.content.readline()).startswith(b"data: "):
+                pass  # a ping or a notice can come first: wait for the first token
             for _ in range(repeat):
                 t0 = time.perf_counter()
                 st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
@@ -93,12 +104,14 @@ async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[f
                 while not (await resp.content.readline()).startswith(b"data: "):
                     pass  # ": resumed", blank lines
                 resume_ms.append((time.perf_counter() - t0) * 1e3)
-                await asyncio.sleep(0.05)
-            resp.close()
+            async for line in resp.content:
+                event = json.loads(line[6:]) if line.startswith(b"data: ") else {}
+                if event.get("stop"):
+                    reeval_ms = event["timings"]["recompute_ms"] / repeat
         for _ in range(repeat):
             async with s.post(url + "/completion", json=long_request(n_cells, n_predict=1)) as r:
                 prefill_ms.append((await r.json())["timings"]["prompt_ms"])
-    return park_ms, resume_ms, prefill_ms
+    return park_ms, resume_ms, reeval_ms, prefill_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     with server(binary, gguf, "-c", "20480", "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048") as srv:
         for n_cells in (256, 1024, 4096, 16384):
             park, resume, n_bytes = asyncio.run(measure(srv.url, n_cells, args.repeat))
-            rc_park, rc_resume, prefill = asyncio.run(measure_recompute(srv.url, n_cells, args.repeat))
+            # a re-evaluation is a prefill: quadratic in length, minutes for 16k cells on a CPU, so fewer repeats
+            rc_repeat = args.repeat if n_cells <= 4096 else 1
+            rc_park, rc_resume, reeval, prefill = asyncio.run(measure_recompute(srv.url, n_cells, rc_repeat))
             p50_park, p50_resume = statistics.median(park), statistics.median(resume)
             rows.append(
                 (
@@ -128,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     statistics.median(rc_park),
                     statistics.median(rc_resume),
                     pct(rc_resume, 0.9),
+                    reeval,
                     statistics.median(prefill),
-                    statistics.median(rc_resume) / statistics.median(prefill),
+                    reeval / statistics.median(prefill),
                 )
             )
     out = table(
@@ -146,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "recompute park p50 ms",
             "recompute resume p50 ms",
             "recompute resume p90 ms",
+            "re-evaluation ms",
             "prefill p50 ms",
             "recompute / prefill",
         ],

@@ -28,6 +28,15 @@ SECTIONS = [
         "same digest for `kvctl` and `kvctl-seed`: the two orders made the same decisions).",
     ),
     (
+        "pressure-park-ram.md",
+        "Pressure with a budget smaller than one snapshot: parks by recompute",
+        "python -m bench.pressure --quick --park-ram 1 --modes upstream,safety-net,kvctl --out pressure-park-ram",
+        "The 8192 band twice: with the default `--park-ram` (8 GiB, every snapshot fits) and with `--park-ram 1` "
+        "(1 MiB, less than one request's snapshot of ~2000 cells): the patched server and kvctl then park by "
+        "recompute (the `(N rc)` in the parks column). Upstream has no such flag and runs as in the first pass. "
+        "Before issue 16, the safety net alone completed 0 of 4 requests of this band at `--park-ram 1`.",
+    ),
+    (
         "overhead.md",
         "Cost when parking never fires",
         "python -m bench.overhead --pairs 100",
@@ -49,9 +58,13 @@ SECTIONS = [
     ),
     (
         "park_cost.md",
-        "Park and resume cost against snapshot size",
+        "Park and resume cost against snapshot size, swap and recompute",
         "python -m bench.park_cost",
-        "The server's own park_ms/resume_ms for a generating request, next to a numpy copy of the same bytes.",
+        "Swap: the server's own park_ms/resume_ms for a generating request, next to a numpy copy of the same "
+        "bytes. Recompute: the park's round trip, and the resume until the stream's next token (the server "
+        "evaluates the request's tokens again, then decodes a step), beside the server's prompt_ms for a fresh "
+        "prompt of the same length; the last column is their ratio (issue 16: about a prefill, no more). "
+        "Recompute rows above 4096 cells are one measurement each.",
     ),
     (
         "exactness.md",
@@ -181,6 +194,23 @@ def floors() -> str:
         if worse:
             measured += "; longer with a different schedule in " + "; ".join(worse)
         add("longest parked wait at or below the seed's order (real server, one run)", measured, not worse)
+    pr = [r for r in rows("pressure-park-ram.md") if "ram=" in r["n_ctx"] and r["mode"] != "upstream"]
+    if pr:
+        add(
+            "every request completes at --park-ram 1 (safety net alone, kvctl alone)",
+            f"{sum(int(r['completed'].split('/')[0]) for r in pr)}/"
+            f"{sum(int(r['completed'].split('/')[1]) for r in pr)} completed, "
+            f"{sum(int(r['errors']) for r in pr)} errors",
+            all(r["completed"].split("/")[0] == r["completed"].split("/")[1] and r["errors"] == "0" for r in pr),
+        )
+    pc = [r for r in rows("park_cost.md") if "recompute / prefill" in r]
+    if pc:
+        worst = max(float(r["recompute / prefill"]) for r in pc)
+        add(
+            "a recompute resume of N tokens costs about a prefill of N tokens (ratio ≤ 1.25)",
+            ", ".join(f"{r['cells']} cells: {r['recompute / prefill']}" for r in pc),
+            worst <= 1.25,
+        )
     sim = rows("policy_sim.md")
     if sim:
         bad = [

@@ -309,6 +309,32 @@ def panels() -> list[Panel]:
     )
     L.add(
         timeseries(
+            "Parks by mode",
+            "Parks per second by swap (a copy of the cells in host RAM) and by recompute (the cells freed, "
+            "evaluated again on resume: chosen when a snapshot does not fit the budget or host RAM, or costs more "
+            "than re-evaluating), kvctl's and all of the server's; and the tokens evaluated again per second.",
+            ["kvctl_parks_total", "llamacpp:slot_parks_total", "llamacpp:slot_recompute_parks_total"],
+            [
+                (f"sum by (replica, mode) (rate(kvctl_parks_total{{{R}}}[{RI}]))", "{{replica}} kvctl {{mode}}"),
+                (
+                    f"sum by (replica) (rate(llamacpp:slot_recompute_parks_total{{{R}}}[{RI}]))",
+                    "{{replica}} server recompute",
+                ),
+                (
+                    f"sum by (replica) (rate(llamacpp:slot_parks_total{{{R}}}[{RI}]))"
+                    f" - sum by (replica) (rate(llamacpp:slot_recompute_parks_total{{{R}}}[{RI}]))",
+                    "{{replica}} server swap",
+                ),
+                (
+                    f"sum by (replica) (rate(llamacpp:recomputed_tokens_total{{{R}}}[{RI}]))",
+                    "{{replica}} tokens re-evaluated",
+                ),
+            ],
+            "ops",
+        )
+    )
+    L.add(
+        timeseries(
             "Park and resume failures",
             "Park or resume requests the server refused or failed (kvctl's view by action and HTTP "
             "status, and the server's counters), and parked requests ended because they cannot fit "
