@@ -528,6 +528,8 @@ def _memory_lines(status: Status) -> list[tuple[str, str]]:
 
 def _slot_row(slot: SlotView) -> list[str]:
     flags = [name for name, on in (("pinned", slot.pinned), ("auto", slot.auto_parked)) if on]
+    if slot.park_mode is not None:
+        flags.append("re-evaluating" if slot.recomputing else slot.park_mode)
     busy = slot.id_task is not None
     return [
         str(slot.id),
@@ -557,6 +559,11 @@ def render_status(status: Status, *, unicode: bool = True) -> str:
         lines += _table(columns, rows, right=frozenset({0, 2, 3, 4, 5, 6}))
         if any(s.pinned or s.auto_parked for s in status.slots):
             lines.append("pinned: parked by hand, stays parked until resumed by hand; auto: parked by the server's net")
+        if any(s.park_mode is not None for s in status.slots):
+            lines.append(
+                "swap: its cells wait in host RAM; recompute: only its tokens are kept, evaluated again on resume "
+                "(re-evaluating)"
+            )
     else:
         lines.append("no slots (upstream down)" if status.pool is None else "no slots")
     return "\n".join(lines)

@@ -26,9 +26,10 @@ __all__ = [
     "upstream_state",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
-``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``."""
+``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
+3: added the slots' ``park_mode`` and ``recomputing``."""
 
 
 class _Model(BaseModel):
@@ -100,6 +101,10 @@ class SlotView(_Model):
     waited_s: float | None
     pinned: bool
     auto_parked: bool
+    park_mode: str | None = None
+    """``swap`` or ``recompute`` for a parked request (or one evaluating its tokens again); None otherwise."""
+    recomputing: bool = False
+    """Resumed after a recompute park, evaluating its tokens again."""
 
 
 class LoopView(_Model):
@@ -220,6 +225,8 @@ def build_status(
                     waited_s=(now_ms - since) / 1000 if since is not None else None,
                     pinned=history is not None and history.pinned,
                     auto_parked=s.park.auto,
+                    park_mode=str(s.park.mode) if s.park.mode is not None else None,
+                    recomputing=s.park.recomputing,
                 )
             )
     sup = None

@@ -142,9 +142,19 @@ def parked() -> Status:
         pool=pool(n_parked=2, parked_bytes=GiB, above_high_s=3.0, projected_draft=0.65),
         slots=[
             slot(0, "generating", n_cells=5000, n_decoded=900),
-            slot(1, "parked", n_cells=1200, n_decoded=800, park_count=2, waited_s=12.3, pinned=True),
-            slot(2, "parked", n_cells=700, n_decoded=40, park_count=1, waited_s=190.0, auto_parked=True),
+            slot(1, "parked", n_cells=1200, n_decoded=800, park_count=2, waited_s=12.3, pinned=True, park_mode="swap"),
+            slot(
+                2,
+                "parked",
+                n_cells=700,
+                n_decoded=40,
+                park_count=1,
+                waited_s=190.0,
+                auto_parked=True,
+                park_mode="recompute",
+            ),
             slot(3),
+            slot(4, "prompt", n_cells=300, n_decoded=12, park_count=1, park_mode="recompute", recomputing=True),
         ],
     )
 
@@ -246,10 +256,12 @@ def test_parked_slots_view() -> None:
     projected = line(text, "projected")
     assert "target 73 %  draft 65 %" in projected and "at or above HIGH for 3.0 s" in projected
     assert row(text, 0) == ["0", "generating", "5000", "1m 05s", "900", "0", "-"]
-    assert row(text, 1) == ["1", "parked", "1200", "1m 05s", "800", "2", "12.3 s", "pinned"]
-    assert row(text, 2) == ["2", "parked", "700", "1m 05s", "40", "1", "3m 10s", "auto"]
+    assert row(text, 1) == ["1", "parked", "1200", "1m 05s", "800", "2", "12.3 s", "pinned swap"]
+    assert row(text, 2) == ["2", "parked", "700", "1m 05s", "40", "1", "3m 10s", "auto recompute"]
     assert row(text, 3) == ["3", "idle", "-", "-", "-", "-", "-"]
-    assert text.splitlines()[-1].startswith("pinned: parked by hand")
+    assert row(text, 4) == ["4", "prompt", "300", "1m 05s", "12", "1", "-", "re-evaluating"]
+    assert text.splitlines()[-2].startswith("pinned: parked by hand")
+    assert text.splitlines()[-1].startswith("swap: its cells wait in host RAM; recompute:")
 
 
 def test_gpu_views() -> None:
