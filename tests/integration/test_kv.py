@@ -93,7 +93,11 @@ async def test_slots_fields_while_generating(start_server: ServerFactory, http: 
     assert s["n_prompt"] == res.final["tokens_evaluated"]  # type: ignore[index]
     assert s["n_decoded"] >= 30 and s["n_draft_max"] == 0
     assert s["n_cells"] == s["n_prompt"] + s["n_decoded"] - 1 or s["n_cells"] == s["n_prompt"] + s["n_decoded"]
+    assert s["n_prefill_left"] == 0
     assert s["park"] == {
+        "mode": None,
+        "n_cells": None,
+        "recomputing": False,
         "count": 0,
         "bytes": 0,
         "t_parked_total_ms": 0,

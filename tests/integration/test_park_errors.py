@@ -142,7 +142,8 @@ async def test_resume_without_room_keeps_the_snapshot(start_server: ServerFactor
 
 
 async def test_park_budget_exceeded_frees_nothing(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
-    # 1 MiB budget at 512 B per cell: a 2100-cell sequence does not fit
+    # 1 MiB budget at 512 B per cell: a 2100-cell sequence does not fit, and an explicit swap frees nothing
+    # (without a mode the server parks it by recompute: test_safety_net.py, tests/upstream)
     srv = start_server(
         "-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots", "--park-ram", "1"
     )
@@ -156,7 +157,7 @@ async def test_park_budget_exceeded_frees_nothing(start_server: ServerFactory, h
             return
         before = await get_json(http, srv.url + "/kv")
         assert before["slots"][0]["n_cells"] * before["bytes_per_cell"] > 1024 * 1024
-        st, body, headers = await post_action(http, srv.url, 0, "park")
+        st, body, headers = await post_action(http, srv.url, 0, "park", {"mode": "swap"})
         assert_error(st, body, 503, "unavailable_error", "park budget exceeded")
         assert headers.get("Retry-After") == "1"
         after = await get_json(http, srv.url + "/kv")
@@ -169,10 +170,18 @@ async def test_park_budget_exceeded_frees_nothing(start_server: ServerFactory, h
 
 
 async def test_parking_disabled_is_501(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
-    srv = start_server(*POOL, "--park-ram", "0")
+    srv = start_server(*POOL, "--no-park")
     for action in ("park", "resume"):
         st, body, _ = await post_action(http, srv.url, 0, action)
-        assert_error(st, body, 501, "not_supported_error", "--park-ram 0")
+        assert_error(st, body, 501, "not_supported_error", "--no-park")
+    assert (await get_json(http, srv.url + "/kv"))["park_modes"] == []
+
+
+async def test_park_ram_0_refuses_a_swap_with_501(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
+    srv = start_server(*POOL, "--park-ram", "0")
+    assert (await get_json(http, srv.url + "/kv"))["park_modes"] == ["recompute"]
+    st, body, _ = await post_action(http, srv.url, 0, "park", {"mode": "swap"})
+    assert_error(st, body, 501, "not_supported_error", "recompute only")
 
 
 @pytest.mark.parametrize("n_cmpl", [2])
