@@ -41,20 +41,28 @@ def memcpy_gbps(n_bytes: int, repeat: int = 5) -> float:
     return n_bytes / best / 1e9
 
 
+def long_request(n_cells: int, **extra: object) -> dict[str, object]:
+    return {
+        "prompt": [1000 + (i % 20000) for i in range(n_cells)],
+        "n_predict": 100000,
+        "ignore_eos": True,
+        "id_slot": 0,
+        "cache_prompt": False,
+        **extra,
+    }
+
+
+async def first_token(resp: aiohttp.ClientResponse) -> None:
+    """Read the stream up to its first token: a ping or a notice can come first."""
+    while not (await resp.content.readline()).startswith(b"data: "):
+        pass
+
+
 async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], int]:
     park_ms, resume_ms, n_bytes = [], [], 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        body = {
-            "prompt": [1000 + (i % 20000) for i in range(n_cells)],
-            "n_predict": 100000,
-            "ignore_eos": True,
-            "stream": True,
-            "id_slot": 0,
-            "cache_prompt": False,
-        }
-        async with s.post(url + "/completion", json=body) as resp:
-            while not (await resp.content.readline()).startswith(b"data: "):
-                pass  # a ping or a notice can come first: wait for the first token
+        async with s.post(url + "/completion", json=long_request(n_cells, stream=True)) as resp:
+            await first_token(resp)
             for _ in range(repeat):
                 st, b, _ = await post_action(s, url, 0, "park")
                 assert st == 200, b
@@ -68,17 +76,6 @@ async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], lis
     return park_ms, resume_ms, n_bytes
 
 
-def long_request(n_cells: int, **extra: object) -> dict[str, object]:
-    return {
-        "prompt": [1000 + (i % 20000) for i in range(n_cells)],
-        "n_predict": 100000,
-        "ignore_eos": True,
-        "id_slot": 0,
-        "cache_prompt": False,
-        **extra,
-    }
-
-
 async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], float, list[float]]:
     """Round trips of recompute parks, resumes until the next token (client side), the server's mean re-evaluation
     time per resume (its timings.recompute_ms), and a prefill's prompt_ms of the same length."""
@@ -89,8 +86,7 @@ async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[f
         # short enough to read the final timings, long enough for every park to find the request generating
         body = long_request(n_cells, stream=True, n_predict=20 * repeat + 20)
         async with s.post(url + "/completion", json=body) as resp:
-            while not (await resp.content.readline()).startswith(b"data: "):
-                pass  # a ping or a notice can come first: wait for the first token
+            await first_token(resp)
             for _ in range(repeat):
                 t0 = time.perf_counter()
                 st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
