@@ -415,6 +415,21 @@ class ControlLoop:
         kv = self.state.snapshot
         return a.mode if kv is not None and kv.park_modes is not None else None
 
+    async def _park(self, a: Action, fields: dict[str, object]) -> ParkResult:
+        """Park as the policy chose; a swap the server cannot hold now (503: its snapshot arena cannot grow, host
+        memory ran short) becomes a park by recompute, since the request must still give up its cells."""
+        mode = self._wire_mode(a)
+        try:
+            return await self.client.park(a.slot, a.id_task, mode)
+        except UpstreamApiError as e:
+            kv = self.state.snapshot
+            modes = kv.park_modes if kv is not None else None
+            if mode is not ParkMode.SWAP or e.status != 503 or not modes or ParkMode.RECOMPUTE not in modes:
+                raise
+            log.warning("park.swap_refused", **fields, error=e.message)
+            fields["mode"] = str(ParkMode.RECOMPUTE)
+            return await self.client.park(a.slot, a.id_task, ParkMode.RECOMPUTE)
+
     async def _carry_out(self, a: Action) -> bool:
         fields: dict[str, object] = {
             "slot": a.slot,
@@ -431,7 +446,7 @@ class ControlLoop:
         t0 = time.perf_counter()
         try:
             if a.kind is ActionKind.PARK:
-                park = await self.client.park(a.slot, a.id_task, self._wire_mode(a))
+                park = await self._park(a, fields)
             else:
                 resume = await self.client.resume(a.slot, a.id_task)
         except UpstreamError as e:
@@ -466,6 +481,7 @@ class ControlLoop:
             server_mode_reason=r.mode_reason,
             n_bytes=r.n_bytes + r.n_bytes_draft,
             park_ms=r.timings.park_ms,
+            copy_ms=r.timings.copy_ms,
             park_count=r.park_count,
             pinned=pin,
         )

@@ -65,8 +65,11 @@ class LlamaSpec:
     # context instead of collapsing into short loops; keep them as defaults.
     embd_std: float = 1.0  # token_embd and output
     hidden_std: float = 0.2  # every other matrix
+    head_dim_kv: int = 0  # 0: n_embd / n_head; else heads this wide (many KV bytes a cell from a small model)
 
     def __post_init__(self) -> None:
+        if self.head_dim_kv < 0:
+            raise ValueError(f"head_dim_kv must be non-negative, got {self.head_dim_kv}")
         for name in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx_train"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -81,7 +84,7 @@ class LlamaSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_dim_kv or self.n_embd // self.n_head
 
 
 SIZES: dict[str, LlamaSpec] = {
@@ -89,6 +92,9 @@ SIZES: dict[str, LlamaSpec] = {
     "bench": LlamaSpec(n_embd=512, n_layer=2, n_head=8, n_head_kv=8, n_ff=1024),
     # ~0.85 B parameters (3.4 GB of F32): for the GPU benchmarks (bench/gpu.sh), never on the CPU runners
     "gpu": LlamaSpec(n_embd=2048, n_layer=16, n_head=16, n_head_kv=4, n_ff=5632),
+    # 32 layers of 16 KV heads of 128: 256 KiB of f16 KV a cell (512 KiB in f32) from 17 M parameters, so GiB
+    # snapshots take seconds of prefill on a CPU (bench/park_cost.py --speed)
+    "kvheavy": LlamaSpec(n_embd=64, n_layer=32, n_head=16, n_head_kv=16, n_ff=128, head_dim_kv=128),
 }
 
 
@@ -109,7 +115,8 @@ def _stamp(arch: str, spec: Any, vocab_sha256: str) -> str:
         {
             "arch": arch,
             "generator": _GENERATOR_VERSION,
-            "spec": dataclasses.asdict(spec),
+            # a field at its default of "absent" stays out, so that adding one keeps earlier models' stamps
+            "spec": {k: v for k, v in dataclasses.asdict(spec).items() if not (k == "head_dim_kv" and v == 0)},
             "vocab_sha256": vocab_sha256,
         },
         sort_keys=True,
@@ -326,6 +333,9 @@ def write_llama(path: Path, vocab: Path, spec: LlamaSpec = LlamaSpec()) -> Path:
         w.add_head_count_kv(spec.n_head_kv)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_rope_dimension_count(hd)
+        if spec.head_dim_kv:
+            w.add_key_length(hd)
+            w.add_value_length(hd)
         w.add_rope_freq_base(10000.0)
         w.add_vocab_size(n_vocab)
 

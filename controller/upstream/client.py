@@ -78,6 +78,9 @@ def _retry_after(headers: Any) -> float | None:
 
 
 KEEPALIVE_S = 1.0
+# a park or resume is answered once its snapshot is copied, slice by slice between the other requests' decode
+# steps (--park-slice): seconds for GiB snapshots on a busy server, so it waits longer than a poll
+COPY_TIMEOUT_S = 120.0
 
 
 class UpstreamClient:
@@ -122,7 +125,9 @@ class UpstreamClient:
     ) -> None:
         await self.close()
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
         url = URL(f"{self.base_url}{path}")  # keeps a base path prefix and the query string
         data = json.dumps(body).encode() if body is not None else None
         headers = self._headers()
@@ -131,7 +136,8 @@ class UpstreamClient:
         try:
             # aiohttp sends an idempotent request (GET) once more when a kept-alive connection was closed under
             # it; a park or resume is never sent twice
-            async with self.session.request(method, url, data=data, headers=headers) as resp:
+            timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+            async with self.session.request(method, url, data=data, headers=headers, timeout=timeout) as resp:
                 payload = await resp.read()
                 if resp.status >= 400:
                     raise self._api_error(resp.status, payload, resp.headers)
@@ -181,12 +187,13 @@ class UpstreamClient:
             body["id_task"] = id_task
         if mode is not None:
             body["mode"] = str(mode)
-        status, payload = await self._request("POST", path, body)
+        status, payload = await self._request("POST", path, body, COPY_TIMEOUT_S)
         return self._parse(ParkResult, path, status, payload)
 
     async def resume(self, slot_id: int, id_task: int | None = None) -> ResumeResult:
         path = f"/slots/{slot_id}?action=resume"
-        status, payload = await self._request("POST", path, {"id_task": id_task} if id_task is not None else {})
+        body = {"id_task": id_task} if id_task is not None else {}
+        status, payload = await self._request("POST", path, body, COPY_TIMEOUT_S)
         return self._parse(ResumeResult, path, status, payload)
 
     async def health(self) -> bool:

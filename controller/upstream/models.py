@@ -156,6 +156,16 @@ class Slot(_Shape):
         return self.state in (SlotState.PROMPT, SlotState.GENERATING)
 
 
+class ParkArena(_Shape):
+    """``/kv`` ``park_arena``: host memory reserved for snapshots, grown on demand, kept ``keep_s`` unused."""
+
+    bytes: int
+    used_bytes: int
+    chunks: int
+    pinned: bool
+    keep_s: int
+
+
 class KvSnapshot(_Shape):
     """``GET /kv``: one snapshot taken between two decode steps."""
 
@@ -179,6 +189,8 @@ class KvSnapshot(_Shape):
     host_ram_available_bytes: int | None = None
     """The server's host memory available without swapping (MemAvailable); None: unknown."""
     park_rates: ParkRates = ParkRates()
+    park_arena: ParkArena | None = None
+    """The host memory the server keeps for snapshots; None: an older server."""
     auto_park: bool = False
     auto_resume_ratio: float | None = None
     lease: Lease | None = None
@@ -187,6 +199,9 @@ class KvSnapshot(_Shape):
 
 class ParkTimings(_Shape):
     park_ms: float
+    """Wall time from the start of the park until its cells were free (a sliced copy spans iterations)."""
+    copy_ms: float | None = None
+    """Time spent copying the snapshot, summed over its slices; None: an older server."""
 
 
 class ParkResult(_Shape):
@@ -209,6 +224,7 @@ class ParkResult(_Shape):
 
 class ResumeTimings(_Shape):
     resume_ms: float
+    copy_ms: float | None = None
 
 
 class ResumeResult(_Shape):

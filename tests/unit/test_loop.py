@@ -136,6 +136,33 @@ async def test_the_policy_s_mode_is_asked_for_and_counted_as_the_server_answers(
     assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute") == 2
 
 
+async def test_a_swap_the_server_cannot_hold_now_becomes_a_park_by_recompute(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    fake.kv = {**pressured(), "park_modes": ["swap", "recompute"]}
+    loop = make_loop(client)
+    fake.queue(
+        "POST park",
+        error(503, "unavailable_error", "failed to allocate 67108864 bytes of host memory for snapshots", 1),
+        park_answer(2, 3, mode="recompute", mode_reason="requested", timings={"park_ms": 0.3, "copy_ms": 0.0}),
+    )
+    with capture_logs() as logs:
+        assert await loop.step()
+    parks = [s.body for s in fake.seen if s.query.get("action") == "park"]
+    assert parks == [b'{"id_task": 3, "mode": "swap"}', b'{"id_task": 3, "mode": "recompute"}']
+    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute") == 1
+    assert [e["event"] for e in logs if e["event"].startswith("park.")] == ["park.swap_refused", "park.done"]
+    assert [e["copy_ms"] for e in logs if e["event"] == "park.done"] == [0.0]
+
+
+async def test_a_refused_recompute_is_not_retried(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    fake.kv = {**pressured(), "park_modes": ["swap", "recompute"]}
+    loop = make_loop(client, settings(policy={"snapshot_budget_mib": 0}))  # recompute only
+    fake.queue("POST park", error(409, "conflict_error", "slot is not parkable in state 'prompt'"))
+    assert await loop.step()
+    assert len([s for s in fake.seen if s.query.get("action") == "park"]) == 1
+
+
 async def test_a_refused_action_stops_the_rest_of_the_decision(fake: FakeLlamaServer, client: UpstreamClient) -> None:
     fake.kv = kv_body(
         1000,
