@@ -1,18 +1,25 @@
 """Park and resume at memory speed, and what a park costs the other streams (issue 17).
 
-    python -m bench.park_speed [--sizes 16,64,256,1024] [--slices 16M,0] [--fa on,off]
+    python -m bench.park_speed [--sizes 16,64,256,1024] [--slices 16M,0] [--fa on,off] [--pinned on]
+                               [--server-args "-ngl 99"] [--out park_speed]
 
 Model "kvheavy" (32 layers x 16 KV heads x 128, f32 cache: 512 KiB a cell), four slots in one unified
 pool, four streams generating together, so the cells of each interleave with the three others'. When
 stream 0 holds a snapshot of each size, it is parked and resumed through the API (mode swap), and:
   park / resume GB/s   snapshot bytes over the server's timings.copy_ms (time spent copying, summed
-                       over the slices), beside a numpy copy of a buffer >= 4x the last-level cache and
+                       over the slices), of the second park and resume at that size (the arena reused;
+                       the first, which grows the arena and faults its pages in, is its own column),
+                       beside a numpy copy of a buffer >= 4x the last-level cache and
                        of a 16 MiB one, measured in the same run;
   stall                the longest and the median gap between tokens of streams 1-3 from the park
                        request until stream 0's next token, against the same streams' gaps over as many
                        tokens just before (no park); "bound" is that baseline's longest gap + 2 decode
                        steps (their median gap) + 5 ms, the issue's target.
---slices runs the whole table for each --park-slice (0: a park copies at once, as before slicing).
+  RSS                  the server's resident memory right before the last park (the other streams
+                       stopped), and --park-arena-keep (5 s here) + 5 s after the last resume, with
+                       stream 0 stopped: the arena gives its memory back to the OS.
+--slices runs the whole table for each --park-slice (0: a park copies at once, as before slicing);
+--pinned off adds --no-park-pinned (pageable arena on a CUDA build; the CPU has no pinned memory).
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -32,6 +41,12 @@ from bench.common import build, model, save, server, table
 from tests.integration.llama import post_action
 
 CELL_BYTES = 32 * 2 * 2048 * 4  # kvheavy, f32 K and V
+KEEP_S = 5  # --park-arena-keep for these runs
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def llc_bytes() -> int:
@@ -83,10 +98,10 @@ class Streams:
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._run(i)) for i in range(4)]
 
-    async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+    async def stop(self, which: range = range(4)) -> None:
+        for i in which:
+            self.tasks[i].cancel()
+        await asyncio.gather(*(self.tasks[i] for i in which), return_exceptions=True)
 
 
 def gaps(arrivals: list[float], t0: float, t1: float) -> list[float]:
@@ -103,48 +118,82 @@ async def wait_cells(session: aiohttp.ClientSession, url: str, n: int) -> None:
         await asyncio.sleep(0.02)
 
 
-async def measure(url: str, sizes_mib: list[int]) -> list[dict[str, float]]:
+async def idle(session: aiohttp.ClientSession, url: str, slots: range) -> None:
+    while True:
+        async with session.get(f"{url}/kv") as r:
+            kv = await r.json()
+        if all(kv["slots"][i]["state"] == "idle" for i in slots):
+            return
+        await asyncio.sleep(0.05)
+
+
+async def park_and_resume(
+    session: aiohttp.ClientSession, url: str, streams: Streams
+) -> tuple[dict[str, Any], dict[str, Any], list[float], list[float]]:
+    """Park and resume stream 0; the other streams' gaps before (as long a window) and during it."""
+    others = streams.arrivals[1:]
+    n_before = len(streams.arrivals[0])
+    t_park = time.perf_counter()
+    st, park, _ = await post_action(session, url, 0, "park", {"mode": "swap"})
+    assert st == 200, park
+    st, resume, _ = await post_action(session, url, 0, "resume")
+    assert st == 200, resume
+    while len(streams.arrivals[0]) <= n_before:  # noqa: ASYNC110 - stream 0's next token ends the park
+        await asyncio.sleep(0.001)
+    t_end = streams.arrivals[0][n_before]
+    window = t_end - t_park
+    base = [g for a in others for g in gaps(a, t_park - max(window, 0.5), t_park)]
+    during = [g for a in others for g in gaps(a, t_park, t_end)]
+    # a park window can be shorter than one gap: count the gap that spans it
+    for a in others:
+        spanning = [t for t in a if t < t_park][-1:] + [t for t in a if t > t_park][:1]
+        if len(spanning) == 2:
+            during.append((spanning[1] - spanning[0]) * 1e3)
+    # the next window's baseline starts after this park's effects
+    while len(streams.arrivals[0]) <= n_before + 8:  # noqa: ASYNC110
+        await asyncio.sleep(0.001)
+    return park, resume, base, during
+
+
+async def measure(url: str, pid: int, sizes_mib: list[int]) -> tuple[list[dict[str, float]], dict[str, float]]:
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         streams = Streams(url, session)
         streams.start()
         for mib in sizes_mib:
             await wait_cells(session, url, mib * 1024**2 // CELL_BYTES)
-            others = streams.arrivals[1:]
-            n_before = len(streams.arrivals[0])
-            t_park = time.perf_counter()
-            st, park, _ = await post_action(session, url, 0, "park", {"mode": "swap"})
-            assert st == 200, park
-            st, resume, _ = await post_action(session, url, 0, "resume")
-            assert st == 200, resume
-            while len(streams.arrivals[0]) <= n_before:  # noqa: ASYNC110 - stream 0's next token ends the park
-                await asyncio.sleep(0.001)
-            t_end = streams.arrivals[0][n_before]
-            window = t_end - t_park
-            # as many tokens before the park, while stream 0 still generated
-            base = [g for a in others for g in gaps(a, t_park - max(window, 0.5), t_park)]
-            during = [g for a in others for g in gaps(a, t_park, t_end)]
-            # a park window can be shorter than one gap: count the gap that spans it
-            for a in others:
-                spanning = [t for t in a if t < t_park][-1:] + [t for t in a if t > t_park][:1]
-                if len(spanning) == 2:
-                    during.append((spanning[1] - spanning[0]) * 1e3)
+            # twice: the first park grows the arena (its pages are faulted in as the copy writes them),
+            # the second reuses it, as every park does within --park-arena-keep of the last
+            runs = [await park_and_resume(session, url, streams) for _ in range(2)]
+            (park0, _, base0, during0), (park, resume, base, during) = runs
             n_bytes = park["n_bytes"]
             out.append(
                 {
                     "mib": n_bytes / 2**20,
+                    "first_park_gbps": park0["n_bytes"] / (park0["timings"]["copy_ms"] / 1e3) / 1e9,
                     "park_gbps": n_bytes / (park["timings"]["copy_ms"] / 1e3) / 1e9,
                     "resume_gbps": n_bytes / (resume["timings"]["copy_ms"] / 1e3) / 1e9,
                     "park_ms": park["timings"]["park_ms"],
                     "resume_ms": resume["timings"]["resume_ms"],
-                    "base_max": max(base),
-                    "base_p50": statistics.median(base),
-                    "stall_max": max(during),
-                    "stall_p50": statistics.median(during),
+                    "base_max": max(base0 + base),
+                    "base_p50": statistics.median(base0 + base),
+                    "stall_max": max(during0 + during),
+                    "stall_p50": statistics.median(during0 + during),
                 }
             )
-        await streams.stop()
-    return out
+        # the arena gives its memory back: RSS before the last park, and keep + 5 s after the last resume
+        await streams.stop(range(1, 4))
+        await idle(session, url, range(1, 4))
+        rss_before = rss_bytes(pid)
+        assert (await post_action(session, url, 0, "park", {"mode": "swap"}))[0] == 200
+        async with session.get(f"{url}/kv") as r:
+            arena = (await r.json())["park_arena"]
+        assert (await post_action(session, url, 0, "resume"))[0] == 200
+        await streams.stop(range(1))
+        await asyncio.sleep(KEEP_S + 5)
+        rss = {"before": rss_before / 2**20, "arena": arena["bytes"] / 2**20, "after": rss_bytes(pid) / 2**20}
+        rss["pinned"] = float(arena["pinned"])
+    return out, rss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,87 +201,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="16,64,256,1024", help="snapshot sizes in MiB")
     ap.add_argument("--slices", default="16M,0", help="--park-slice values to compare")
     ap.add_argument("--fa", default="on,off", help="flash attention modes (off: V is stored transposed)")
+    ap.add_argument("--pinned", default="on", help="on,off: the arena in pinned or pageable memory (CUDA)")
+    ap.add_argument("--server-args", default="", help='extra llama-server arguments, e.g. "-ngl 99"')
+    ap.add_argument("--out", default="park_speed", help="bench/results/OUT.md")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     binary = build()
     gguf = model("kvheavy", binary)
     n_ctx = 4 * (max(sizes) * 1024**2 // CELL_BYTES + 256)
     big = max(4 * llc_bytes(), 256 * 1024**2)
-    rows = []
-    for fa in args.fa.split(","):
-        for sl in args.slices.split(","):
-            argv_srv = (
-                "-c",
-                str(n_ctx),
-                "-np",
-                "4",
-                "-kvu",
-                "--slots",
-                "-fa",
-                fa,
-                "-ctk",
-                "f32",
-                "-ctv",
-                "f32",
-                "--park-slice",
-                sl,
-                "--park-ram",
-                str(2 * max(sizes) + 256),
-            )
-            with server(binary, gguf, *argv_srv) as srv:
-                res = asyncio.run(measure(srv.url, sizes))
-            mc_big, mc_small = memcpy_gbps(big), memcpy_gbps(16 * 1024**2)
-            for r in res:
-                bound = r["base_max"] + 2 * r["base_p50"] + 5
-                rows.append(
-                    (
-                        fa,
-                        sl,
-                        f"{r['mib']:.0f}",
-                        r["park_gbps"],
-                        r["resume_gbps"],
-                        mc_big,
-                        mc_small,
-                        r["park_gbps"] / mc_big,
-                        r["resume_gbps"] / mc_big,
-                        r["park_ms"],
-                        r["resume_ms"],
-                        r["base_p50"],
-                        r["base_max"],
-                        r["stall_p50"],
-                        r["stall_max"],
-                        bound,
-                        "yes" if r["stall_max"] <= bound else "no",
-                    )
-                )
-    out = table(
-        [
-            "-fa",
-            "--park-slice",
-            "snapshot MiB",
-            "park GB/s",
-            "resume GB/s",
-            f"memcpy {big >> 20} MiB GB/s",
-            "memcpy 16 MiB GB/s",
-            "park / memcpy",
-            "resume / memcpy",
-            "park_ms",
-            "resume_ms",
-            "gap p50 ms (no park)",
-            "gap max ms (no park)",
-            "gap p50 ms (park)",
-            "gap max ms (park)",
-            "bound ms",
-            "within bound",
-        ],
-        rows,
-    )
+    rows: list[tuple[object, ...]] = []
+    rss_rows: list[tuple[object, ...]] = []
+    runs = [(f, sl, p) for f in args.fa.split(",") for sl in args.slices.split(",") for p in args.pinned.split(",")]
+    for fa, sl, pin in runs:
+        argv_srv = ["-c", str(n_ctx), "-np", "4", "-kvu", "--slots", "-fa", fa, "-ctk", "f32", "-ctv", "f32"]
+        argv_srv += ["--park-slice", sl, "--park-ram", str(2 * max(sizes) + 256), "--park-arena-keep", str(KEEP_S)]
+        argv_srv += [*shlex.split(args.server_args), *([] if pin == "on" else ["--no-park-pinned"])]
+        with server(binary, gguf, *argv_srv) as srv:
+            assert srv.proc is not None
+            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, sizes))
+        mc_big, mc_small = memcpy_gbps(big), memcpy_gbps(16 * 1024**2)
+        arena = "pinned" if rss["pinned"] else "pageable"
+        ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
+        rss_rows.append((fa, sl, arena, rss["before"], rss["arena"], rss["after"], ok))
+        for r in res:
+            bound = r["base_max"] + 2 * r["base_p50"] + 5
+            within = "yes" if r["stall_max"] <= bound else "no"
+            park_gbps, resume_gbps = r["park_gbps"], r["resume_gbps"]
+            speed: tuple[float, ...] = (r["first_park_gbps"], park_gbps, resume_gbps, mc_big, mc_small)
+            speed = (*speed, park_gbps / mc_big, resume_gbps / mc_big)
+            gaps_ = (r["base_p50"], r["base_max"], r["stall_p50"], r["stall_max"], bound, within)
+            rows.append((fa, sl, arena, f"{r['mib']:.0f}", *speed, r["park_ms"], r["resume_ms"], *gaps_))
+    heads = ["-fa", "--park-slice", "arena", "snapshot MiB", "first park GB/s (arena grows)", "park GB/s"]
+    heads += ["resume GB/s"]
+    heads += [f"memcpy {big >> 20} MiB GB/s", "memcpy 16 MiB GB/s", "park / memcpy", "resume / memcpy"]
+    heads += ["park_ms", "resume_ms", "gap p50 ms (no park)", "gap max ms (no park)", "gap p50 ms (park)"]
+    heads += ["gap max ms (park)", "bound ms", "within bound"]
+    out = table(heads, rows)
+    rss_heads = ["-fa", "--park-slice", "arena", "RSS before the last park MiB", "arena MiB"]
+    rss_heads += [f"RSS {KEEP_S} + 5 s after the last resume MiB", "within 5 %"]
+    out += "\n\n" + table(rss_heads, rss_rows)
+    where = args.server_args or "CPU"
     header = (
-        f"model: kvheavy (512 KiB a cell, f32 cache), 4 streams interleaved, CPU; last-level cache "
-        f"{llc_bytes() >> 20} MiB\n\n"
+        f"model: kvheavy (512 KiB a cell, f32 cache), 4 streams interleaved, {where}; "
+        f"last-level cache {llc_bytes() >> 20} MiB\n\n"
     )
     print(header + out)
-    save("park_speed.md", header + out + "\n")
+    save(f"{args.out}.md", header + out + "\n")
     return 0
 
 

@@ -12,7 +12,9 @@
 #
 # Progress goes to stderr; the last line of stdout is the path of the llama-server binary.
 # Environment: KVCTL_PATCHES_DIR (default: patches/ of this checkout), KVCTL_LLAMA_SDIST
-# (a local copy of the sdist), KVCTL_LLAMA_GIT_URL, KVCTL_CACHE_DIR, CMAKE_ARGS (extra flags).
+# (a local copy of the sdist), KVCTL_LLAMA_SRC (a trimmed source tarball written by
+# `bench/gpu.sh --prepare` from the verified sdist, for a machine without network),
+# KVCTL_LLAMA_GIT_URL, KVCTL_CACHE_DIR, CMAKE_ARGS (extra flags).
 set -euo pipefail
 
 readonly SDIST_NAME="llama_cpp_python-0.3.36.tar.gz"
@@ -99,7 +101,13 @@ work="$(mktemp -d "$cache/tmp/$key.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 src="$work/llama.cpp"
 
-if [ -n "${KVCTL_LLAMA_GIT_URL:-}" ]; then
+if [ -n "${KVCTL_LLAMA_SRC:-}" ]; then
+    [ -f "$KVCTL_LLAMA_SRC" ] || die "KVCTL_LLAMA_SRC: $KVCTL_LLAMA_SRC is not a file"
+    log "extracting llama.cpp from $(basename "$KVCTL_LLAMA_SRC") (trimmed by bench/gpu.sh --prepare)"
+    tar -xJf "$KVCTL_LLAMA_SRC" -C "$work" llama.cpp
+    grep -qx "llama.cpp@$UPSTREAM_COMMIT" "$src/KVCTL_SOURCE" 2>/dev/null \
+        || die "$KVCTL_LLAMA_SRC is not a trimmed tree of llama.cpp $UPSTREAM_COMMIT (no matching KVCTL_SOURCE)"
+elif [ -n "${KVCTL_LLAMA_GIT_URL:-}" ]; then
     log "cloning $KVCTL_LLAMA_GIT_URL at $UPSTREAM_COMMIT"
     git clone --quiet --filter=blob:none --no-checkout "$KVCTL_LLAMA_GIT_URL" "$src" >&2 \
         || die "git clone of $KVCTL_LLAMA_GIT_URL failed"

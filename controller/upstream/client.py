@@ -136,7 +136,8 @@ class UpstreamClient:
         try:
             # aiohttp sends an idempotent request (GET) once more when a kept-alive connection was closed under
             # it; a park or resume is never sent twice
-            timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+            # the session's timeout unless the call names its own (passing None would mean no timeout at all)
+            timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else self._timeout
             async with self.session.request(method, url, data=data, headers=headers, timeout=timeout) as resp:
                 payload = await resp.read()
                 if resp.status >= 400:

@@ -180,6 +180,17 @@ async def test_a_hung_server_times_out_as_unavailable(fake: FakeLlamaServer, cli
         await client.get_kv()
 
 
+async def test_a_park_waits_for_its_copy_longer_than_a_poll(fake: FakeLlamaServer, client: UpstreamClient) -> None:
+    # a park is answered once its snapshot is copied, slice by slice: longer than the 0.5 s a poll may take
+    body = {"id_slot": 1, "id_task": 3, "action": "park", "n_cells": 10, "n_bytes": 1, "park_count": 1}
+    fake.queue("POST park", Reply(delay_s=1.0, body={**body, "timings": {"park_ms": 1000.0, "copy_ms": 2.5}}))
+    park = await client.park(1, 3)
+    assert park.timings.copy_ms == 2.5
+    fake.queue("GET /kv", Reply(delay_s=1.0, body=fake.kv))
+    with pytest.raises(UpstreamUnavailable):  # the poll keeps its own timeout
+        await client.get_kv()
+
+
 async def test_a_dropped_connection_is_unavailable(fake: FakeLlamaServer, client: UpstreamClient) -> None:
     fake.queue("POST resume", Reply(drop=True))
     with pytest.raises(UpstreamUnavailable):
