@@ -104,6 +104,7 @@ async def test_slots_fields_while_generating(start_server: ServerFactory, http: 
         "parked_since_ms": None,
         "auto": False,
         "test": False,
+        "copy": None,  # "save" or "load" while a sliced park or resume copies
     }
     assert slots[0]["state"] == "idle" and slots[0]["request_id"] is None
 
