@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from bench.common import build, model, save, server, table
+from bench.park_cost import memcpy_gbps
 from tests.integration.llama import post_action
 
 CELL_BYTES = 32 * 2 * 2048 * 4  # kvheavy, f32 K and V
@@ -56,17 +56,6 @@ def llc_bytes() -> int:
         mult = {"K": 1024, "M": 1024**2}.get(text[-1], 1)
         best = max(best, int(text.rstrip("KM")) * mult)
     return best or 32 * 1024**2
-
-
-def memcpy_gbps(n_bytes: int, repeat: int = 5) -> float:
-    src = np.ones(n_bytes, dtype=np.uint8)
-    dst = np.ones_like(src)  # touched: no page faults in the timing
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best / 1e9
 
 
 class Streams:
