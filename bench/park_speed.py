@@ -31,6 +31,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ import aiohttp
 
 from bench.common import build, model, save, server, table
 from bench.park_cost import memcpy_gbps
-from tests.integration.llama import post_action
+from tests.integration.llama import post_action, sse_events
 
 CELL_BYTES = 32 * 2 * 2048 * 4  # kvheavy, f32 K and V
 KEEP_S = 5  # --park-arena-keep for these runs
@@ -76,13 +77,9 @@ class Streams:
             "stream": True,
         }
         async with self.session.post(f"{self.url}/completion", json=body) as resp:
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                while b"\n" in buf:  # split on \n only: tokens may hold U+2028
-                    line, buf = buf.split(b"\n", 1)
-                    if line.startswith(b"data: "):
-                        self.arrivals[i].append(time.perf_counter())
+            async for ev in sse_events(resp):
+                if ev.data is not None:
+                    self.arrivals[i].append(time.perf_counter())
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._run(i)) for i in range(4)]
@@ -98,22 +95,13 @@ def gaps(arrivals: list[float], t0: float, t1: float) -> list[float]:
     return [(b - a) * 1e3 for a, b in itertools.pairwise(ts)]
 
 
-async def wait_cells(session: aiohttp.ClientSession, url: str, n: int) -> None:
+async def wait_kv(session: aiohttp.ClientSession, url: str, done: Callable[[dict[str, Any]], bool]) -> None:
+    """Poll /kv until ``done`` holds for its answer."""
     while True:
         async with session.get(f"{url}/kv") as r:
-            kv = await r.json()
-        if kv["slots"][0]["n_cells"] >= n:
-            return
+            if done(await r.json()):
+                return
         await asyncio.sleep(0.02)
-
-
-async def idle(session: aiohttp.ClientSession, url: str, slots: range) -> None:
-    while True:
-        async with session.get(f"{url}/kv") as r:
-            kv = await r.json()
-        if all(kv["slots"][i]["state"] == "idle" for i in slots):
-            return
-        await asyncio.sleep(0.05)
 
 
 async def park_and_resume(
@@ -150,7 +138,11 @@ async def measure(url: str, pid: int, sizes_mib: list[int]) -> tuple[list[dict[s
         streams = Streams(url, session)
         streams.start()
         for mib in sizes_mib:
-            await wait_cells(session, url, mib * 1024**2 // CELL_BYTES)
+
+            def holds(kv: dict[str, Any], n: int = mib * 1024**2 // CELL_BYTES) -> bool:
+                return bool(kv["slots"][0]["n_cells"] >= n)
+
+            await wait_kv(session, url, holds)
             # twice: the first park grows the arena (its pages are faulted in as the copy writes them),
             # the second reuses it, as every park does within --park-arena-keep of the last
             runs = [await park_and_resume(session, url, streams) for _ in range(2)]
@@ -172,7 +164,7 @@ async def measure(url: str, pid: int, sizes_mib: list[int]) -> tuple[list[dict[s
             )
         # the arena gives its memory back: RSS before the last park, and keep + 5 s after the last resume
         await streams.stop(range(1, 4))
-        await idle(session, url, range(1, 4))
+        await wait_kv(session, url, lambda kv: all(s["state"] == "idle" for s in kv["slots"][1:4]))
         rss_before = rss_bytes(pid)
         assert (await post_action(session, url, 0, "park", {"mode": "swap"}))[0] == 200
         async with session.get(f"{url}/kv") as r:

@@ -93,7 +93,7 @@ SIZES: dict[str, LlamaSpec] = {
     # ~0.85 B parameters (3.4 GB of F32): for the GPU benchmarks (bench/gpu.sh), never on the CPU runners
     "gpu": LlamaSpec(n_embd=2048, n_layer=16, n_head=16, n_head_kv=4, n_ff=5632),
     # 32 layers of 16 KV heads of 128: 256 KiB of f16 KV a cell (512 KiB in f32) from 17 M parameters, so GiB
-    # snapshots take seconds of prefill on a CPU (bench/park_cost.py --speed)
+    # snapshots take seconds of prefill on a CPU (bench/park_speed.py)
     "kvheavy": LlamaSpec(n_embd=64, n_layer=32, n_head=16, n_head_kv=16, n_ff=128, head_dim_kv=128),
 }
 
@@ -109,14 +109,19 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def spec_fields(spec: Any) -> dict[str, Any]:
+    """The spec as its stamp holds it: a field at its default of "absent" (head_dim_kv 0) stays out, so that
+    adding it kept the stamps, and the cached models, of every earlier spec."""
+    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k == "head_dim_kv" and v == 0)}
+
+
 def _stamp(arch: str, spec: Any, vocab_sha256: str) -> str:
     """Canonical JSON identifying everything the output bytes depend on."""
     return json.dumps(
         {
             "arch": arch,
             "generator": _GENERATOR_VERSION,
-            # a field at its default of "absent" stays out, so that adding one keeps earlier models' stamps
-            "spec": {k: v for k, v in dataclasses.asdict(spec).items() if not (k == "head_dim_kv" and v == 0)},
+            "spec": spec_fields(spec),
             "vocab_sha256": vocab_sha256,
         },
         sort_keys=True,

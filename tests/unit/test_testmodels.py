@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -14,13 +13,7 @@ import numpy as np
 import pytest
 
 from controller import testmodels
-from controller.testmodels import SIZES, SPEC_KEY, LlamaSpec, write_llama
-
-
-def spec_fields(spec: LlamaSpec) -> dict[str, object]:
-    """The spec as its stamp holds it: a field at its "absent" default is left out (earlier stamps stay valid)."""
-    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k == "head_dim_kv" and v == 0)}
-
+from controller.testmodels import SIZES, SPEC_KEY, LlamaSpec, spec_fields, write_llama
 
 VOCAB_NAME = "ggml-vocab-llama-spm.gguf"
 F32 = gguf.GGMLQuantizationType.F32
