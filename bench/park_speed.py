@@ -62,14 +62,18 @@ def llc_bytes() -> int:
 class Streams:
     """Four streaming completions; records each token's arrival time per stream."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
-        self.url, self.session = url, session
+    def __init__(self, url: str, session: aiohttp.ClientSession, n_prompt: int = 0) -> None:
+        self.url, self.session, self.n_prompt = url, session, n_prompt
         self.arrivals: list[list[float]] = [[] for _ in range(4)]
         self.tasks: list[asyncio.Task[None]] = []
 
     async def _run(self, i: int) -> None:
+        # a long prompt fills its cells in prefill chunks (contiguous runs), the tail interleaves
+        prompt: str | list[int] = f"stream {i} once upon a time"
+        if self.n_prompt:
+            prompt = [10 + (i * 7 + k) % 200 for k in range(self.n_prompt)]
         body = {
-            "prompt": f"stream {i} once upon a time",
+            "prompt": prompt,
             "n_predict": 100000,
             "ignore_eos": True,
             "id_slot": i,
@@ -132,10 +136,12 @@ async def park_and_resume(
     return park, resume, base, during
 
 
-async def measure(url: str, pid: int, sizes_mib: list[int]) -> tuple[list[dict[str, float]], dict[str, float]]:
+async def measure(
+    url: str, pid: int, sizes_mib: list[int], prompt_mib: int = 0
+) -> tuple[list[dict[str, float]], dict[str, float]]:
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        streams = Streams(url, session)
+        streams = Streams(url, session, prompt_mib * 1024**2 // CELL_BYTES)
         streams.start()
         for mib in sizes_mib:
 
@@ -184,12 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fa", default="on,off", help="flash attention modes (off: V is stored transposed)")
     ap.add_argument("--pinned", default="on", help="on,off: the arena in pinned or pageable memory (CUDA)")
     ap.add_argument("--server-args", default="", help='extra llama-server arguments, e.g. "-ngl 99"')
+    ap.add_argument(
+        "--prompt-mib",
+        type=int,
+        default=0,
+        help="each stream starts with a prompt of this many MiB of KV (prefilled in contiguous runs), so that "
+        "the large sizes do not take thousands of decode steps; only the tail interleaves cell by cell",
+    )
     ap.add_argument("--out", default="park_speed", help="bench/results/OUT.md")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     binary = build()
     gguf = model("kvheavy", binary)
     n_ctx = 4 * (max(sizes) * 1024**2 // CELL_BYTES + 256)
+    assert all(sz > args.prompt_mib for sz in sizes), "every size must be above --prompt-mib"
     big = max(4 * llc_bytes(), 256 * 1024**2)
     rows: list[tuple[object, ...]] = []
     rss_rows: list[tuple[object, ...]] = []
@@ -200,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         argv_srv += [*shlex.split(args.server_args), *([] if pin == "on" else ["--no-park-pinned"])]
         with server(binary, gguf, *argv_srv) as srv:
             assert srv.proc is not None
-            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, sizes))
+            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, sizes, args.prompt_mib))
         mc_big, mc_small = memcpy_gbps(big), memcpy_gbps(16 * 1024**2)
         arena = "pinned" if rss["pinned"] else "pageable"
         ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
@@ -223,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     rss_heads += [f"RSS {KEEP_S} + 5 s after the last resume MiB", "within 5 %"]
     out += "\n\n" + table(rss_heads, rss_rows)
     where = args.server_args or "CPU"
+    layout = "4 streams interleaved"
+    if args.prompt_mib:
+        layout = f"4 streams, each a {args.prompt_mib} MiB prompt (prefilled in runs of cells) then an interleaved tail"
     header = (
-        f"model: kvheavy (512 KiB a cell, f32 cache), 4 streams interleaved, {where}; "
-        f"last-level cache {llc_bytes() >> 20} MiB\n\n"
+        f"model: kvheavy (512 KiB a cell, f32 cache), {layout}, {where}; last-level cache {llc_bytes() >> 20} MiB\n\n"
     )
     print(header + out)
     save(f"{args.out}.md", header + out + "\n")
