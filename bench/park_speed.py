@@ -19,7 +19,7 @@ stream 0 holds a snapshot of each size, it is parked and resumed through the API
                        baseline's longest gap + 2 decode steps (their median gap) + 5 ms, the issue's
                        target.
   RSS                  the server's resident memory right before the last park (the other streams
-                       stopped), and --park-arena-keep (5 s here) + 5 s after the last resume, with
+                       stopped), and --park-arena-keep (30 s, its default) + 5 s after the last resume, with
                        stream 0 stopped: the arena gives its memory back to the OS.
 --slices runs the whole table for each --park-slice (0: a park copies at once, as before slicing);
 --pinned off adds --no-park-pinned (pageable arena on a CUDA build; the CPU has no pinned memory).
@@ -46,7 +46,7 @@ from bench.park_cost import memcpy_gbps
 from tests.integration.llama import post_action, sse_events
 
 CELL_BYTES = 32 * 2 * 2048 * 4  # kvheavy, f32 K and V
-KEEP_S = 5  # --park-arena-keep for these runs
+KEEP_S = 30  # --park-arena-keep for these runs (the default): the second park at a size must come within it
 
 
 def layout_gbps(fa: str, n_bytes: int, streams: int = 4, row: int = 16 * 128 * 4, repeat: int = 3) -> float:

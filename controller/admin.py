@@ -41,7 +41,7 @@ __all__ = ["Readiness", "make_admin_app"]
 log = structlog.get_logger("kvctl.admin")
 
 ORIGIN = {"X-Kvctl-Origin": "kvctl"}
-LOOP_STALL_S = 30.0  # an iteration takes at most a few request timeouts plus the longest back-off
+LOOP_STALL_S = 30.0  # an iteration takes a few polls' timeouts plus the longest back-off, or a park's own timeout
 
 
 def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> web.Response:
@@ -165,7 +165,7 @@ class _Admin:
         return _Verdict(ready and self.loop_healthy(), degraded, problems)
 
     def loop_healthy(self) -> bool:
-        return self.loop_alive() and time.monotonic() - self.loop.state.heartbeat_monotonic < LOOP_STALL_S
+        return self.loop_alive() and not self.loop.stalled(LOOP_STALL_S)
 
     def status(self) -> Status:
         verdict = self.evaluate()

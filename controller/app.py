@@ -65,15 +65,32 @@ def notify_socket() -> socket.socket | None:
     if addr.startswith("@"):
         addr = "\0" + addr[1:]  # abstract namespace
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.connect(addr)
+    try:
+        sock.connect(addr)
+    except OSError as e:
+        sock.close()
+        log.warning("systemd.notify_unavailable", socket=os.environ.get("NOTIFY_SOCKET"), error=str(e))
+        return None
     sock.setblocking(False)
     return sock
 
 
+def sd_notify(sock: socket.socket, message: bytes) -> bool:
+    """Send one notification; a failure (systemd restarting, a full socket buffer) is logged, never raised: kvctl
+    keeps serving, and a watchdog that misses pings restarts it as it should."""
+    try:
+        sock.send(message)
+    except OSError as e:
+        log.warning("systemd.notify_failed", message=message.split(b"\n")[0].decode(), error=str(e))
+        return False
+    return True
+
+
 def watchdog_interval_s() -> float:
-    """Half of systemd's WatchdogSec ($WATCHDOG_USEC), or 10 s when no watchdog is set."""
+    """A third of systemd's WatchdogSec ($WATCHDOG_USEC), as the unit file says: one ping may be late or lost without
+    a restart; 10 s when no watchdog is set."""
     usec = os.environ.get("WATCHDOG_USEC", "")
-    return int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else 10.0
+    return int(usec) / 3e6 if usec.isdigit() and int(usec) > 0 else 10.0
 
 
 class RouterMode(Exception):
@@ -215,13 +232,13 @@ class App:
         answered = asyncio.Event()
         self.loop.add_poll_listener(lambda: answered.set() if self.loop.state.polls > 0 else None)
         await answered.wait()
-        sock.send(b"READY=1\nSTATUS=kvctl is polling llama-server")
-        log.info("systemd.ready")
+        if sd_notify(sock, b"READY=1\nSTATUS=kvctl is polling llama-server"):
+            log.info("systemd.ready")
         interval = watchdog_interval_s()
         while True:
             await asyncio.sleep(interval)
-            if self._loop_alive() and time.monotonic() - self.loop.state.heartbeat_monotonic < interval * 2:
-                sock.send(b"WATCHDOG=1")
+            if self._loop_alive() and not self.loop.stalled(interval * 2):
+                sd_notify(sock, b"WATCHDOG=1")
 
     async def run(self, stop: asyncio.Event) -> int:
         host, port = split_host_port(self.settings.admin.listen)

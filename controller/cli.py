@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
+import structlog
 from prometheus_client import disable_created_metrics
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from controller.loop import ManualResult
-from controller.settings import Settings, SettingsError, load_settings, split_host_port
+from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
 from controller.status import GpuDeviceView, PoolView, SlotView, Status
 from controller.upstream import ParkMode
 
@@ -219,6 +220,8 @@ async def _serve(settings: Settings) -> int:
     from controller.app import App, configure_logging
 
     configure_logging(settings.log)
+    for message in deprecations():
+        structlog.get_logger("kvctl.settings").warning("settings.deprecated", message=message)
     disable_created_metrics()  # type: ignore[no-untyped-call]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -506,6 +509,10 @@ def _gpu_text(device: GpuDeviceView) -> str:
     text = f"{name}  {_bytes(device.used_bytes)} used of {_bytes(device.total_bytes)}"
     if device.free_bytes is not None:
         text += f" ({_bytes(device.free_bytes)} free)"
+    if device.server_bytes is not None and device.others_bytes is not None:
+        text += f", the server {_bytes(device.server_bytes)}, others {_bytes(device.others_bytes)}"
+        if device.others_growth_bytes:
+            text += f" ({_bytes(device.others_growth_bytes)} since it started)"
     return text
 
 
@@ -519,6 +526,8 @@ def _memory_lines(status: Status) -> list[tuple[str, str]]:
     lines = [("host RAM", host)]
     if status.gpu == "ok" and status.gpu_devices:
         lines += [("GPU", _gpu_text(d)) for d in status.gpu_devices]
+        if status.gpu_held:
+            lines.append(("GPU held", status.gpu_held))
     elif status.gpu == "ok":
         lines.append(("GPU", "no devices"))
     else:

@@ -20,6 +20,7 @@ from enum import StrEnum
 
 import structlog
 
+from controller.gpu_room import NO_GPU, GpuBaseline, GpuRoom
 from controller.metrics import Metrics
 from controller.policy import (
     Action,
@@ -35,7 +36,6 @@ from controller.policy import (
     decide,
 )
 from controller.probes import GpuProbe, GpuReading, HostMemory, read_host_memory
-from controller.probes.gpu import GpuState
 from controller.settings import Settings
 from controller.upstream import (
     KvSnapshot,
@@ -53,6 +53,7 @@ __all__ = ["ControlLoop", "LoopState", "ManualAction", "ManualError", "ManualRes
 
 log = structlog.get_logger("kvctl.loop")
 
+ASSUMED_COPY_BYTES_PER_S = 1e9  # a park's copy rate until the server has measured one
 GPU_READ_INTERVAL_S = 1.0  # NVML reads block a thread; GPU memory does not move at the pool's pace
 
 # parks the policy wants but a resource limit forbids; the server's safety net (--park-ram) still parks. A server
@@ -113,11 +114,17 @@ class LoopState:
     snapshot_asked_monotonic: float | None = None
     """When the current snapshot was asked for: what the proxy admitted after it is not in it."""
     heartbeat_monotonic: float = field(default_factory=time.monotonic)
+    busy_until_monotonic: float = 0.0
+    """While the loop waits on a call to the server, when that call's own timeout ends it: a long park is not a
+    stalled loop (see ControlLoop.stalled())."""
     snapshot: KvSnapshot | None = None
     decision: Decision | None = None
     history: dict[int, TaskHistory] = field(default_factory=dict)
     host: HostMemory | None = None
     gpu: GpuReading | None = None
+    """NVML's reading of the devices the server reports (None until read, or when it reports none)."""
+    gpu_room: GpuRoom = NO_GPU
+    """The server's devices, what others take of them, and whether that holds restores and admissions back."""
     parks: int = 0
     resumes: int = 0
     ends: int = 0
@@ -163,6 +170,8 @@ class ControlLoop:
         self._poll_listeners: list[Callable[[], object]] = []
         self._skip_labels: set[tuple[str, str]] = set()
         self._blocked: set[SkipReason] = set()
+        self._unconfirmed_pins: set[int] = set()
+        self._gpu_baseline = GpuBaseline()
 
     # --- public ----------------------------------------------------------------------------------
 
@@ -206,6 +215,35 @@ class ControlLoop:
             return replace(verdict, allowance=kv.n_slots_idle)
         return verdict
 
+    def stalled(self, limit_s: float) -> bool:
+        """No iteration began for limit_s, and no call to the server with a longer timeout is in flight."""
+        now = time.monotonic()
+        return now - self.state.heartbeat_monotonic >= limit_s and now >= self.state.busy_until_monotonic
+
+    def _busy(self, timeout_s: float) -> float:
+        self.state.busy_until_monotonic = time.monotonic() + timeout_s + 1.0
+        return timeout_s
+
+    def poll_timeout_s(self) -> float:
+        """How long a poll may take: the server answers between two batches, so a poll can wait behind the longest
+        batch it may run (the next step's cells at its measured prompt rate) before it counts as unanswered."""
+        base = self.settings.upstream.timeout_s
+        kv = self.state.snapshot
+        rate = kv.park_rates.prompt_tokens_per_s if kv is not None else None
+        if kv is None or not rate:
+            return base
+        batch_s = kv.next_step.n_total_max / rate
+        return min(max(base, base + 2 * batch_s), max(base, self.settings.upstream.poll_timeout_max_s))
+
+    def action_timeout_s(self, n_bytes: int) -> float:
+        """How long a park or resume of an n_bytes snapshot may take: it is answered once the copy is done, which the
+        server slices between the other requests' steps (about twice its copy time on a busy server), at its
+        measured copy rate (1 GB/s until it has one), with room to spare; within the settings' floor and ceiling."""
+        up = self.settings.upstream
+        kv = self.state.snapshot
+        rate = (kv.park_rates.copy_bytes_per_s if kv is not None else None) or ASSUMED_COPY_BYTES_PER_S
+        return min(max(up.timeout_s + 4 * n_bytes / rate, up.action_timeout_min_s), up.action_timeout_max_s)
+
     def reset_maxima(self) -> None:
         self.state.max_pressure = 0.0
         self.state.max_growth = 0.0
@@ -242,6 +280,8 @@ class ControlLoop:
         while True:
             t0 = time.monotonic()
             self.state.heartbeat_monotonic = t0
+            # cleared before the step: a poll_soon() while it runs wakes the next wait at once
+            self._wake.clear()
             await self._run_commands()
             ok = await self.step()
             for listener in self._poll_listeners:
@@ -254,7 +294,6 @@ class ControlLoop:
                 backoff = min(initial if backoff is None else backoff * 2, self._max_backoff())
                 delay = backoff
             self.state.backoff_s = backoff
-            self._wake.clear()
             if self._commands.empty():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)
@@ -266,7 +305,7 @@ class ControlLoop:
             self._forget_pending = False
         asked = time.monotonic()
         try:
-            kv = await self.client.get_kv()
+            kv = await self.client.get_kv(timeout_s=self._busy(self.poll_timeout_s()))
         except UpstreamError as e:
             if not isinstance(e, UpstreamUnavailable):
                 self.state.last_answer_monotonic = time.monotonic()
@@ -295,12 +334,20 @@ class ControlLoop:
 
     def _up(self, kv: KvSnapshot) -> None:
         prev = self.state.snapshot
+        prev_boot = prev.server.boot_id if prev is not None and prev.server is not None else None
+        boot = kv.server.boot_id if kv.server is not None else None
+        if prev_boot is not None and boot is not None and prev_boot != boot:
+            # a new process: its task ids start again, so what we knew would be misapplied (whether or not a poll
+            # failed in between)
+            if self.state.history:
+                self.state.history.clear()
+                log.info("loop.forget", reason="the server restarted (new boot id)")
         if not self.state.upstream_up:
-            if self.state.polls > 0 and self.state.history:
-                # it may have restarted: its task ids start again, so what we knew would be misapplied
+            if boot is None and self.state.polls > 0 and self.state.history:
+                # a server that does not say who it is may have restarted while it did not answer
                 self.state.history.clear()
                 log.info("loop.forget", reason="upstream came back")
-            log.info("upstream.up", n_cells=kv.n_cells, n_slots=kv.n_slots, draft=kv.draft is not None)
+            log.info("upstream.up", n_cells=kv.n_cells, n_slots=kv.n_slots, draft=kv.draft is not None, boot_id=boot)
         elif prev is not None and (prev.n_cells, prev.n_slots) != (kv.n_cells, kv.n_slots):
             self.state.history.clear()
             log.info("loop.forget", reason="the server's pool changed")
@@ -315,14 +362,19 @@ class ControlLoop:
         live = {s.id_task for s in kv.slots if s.id_task is not None}
         for task in [t for t in self.state.history if t not in live]:
             del self.state.history[task]
+        # a manual park that timed out: the server's word now says whether it happened, and the pin with it
+        parked = {s.id_task for s in kv.slots if s.state is SlotState.PARKED}
+        for task in self._unconfirmed_pins:
+            h = self.state.history.get(task)
+            if h is not None and h.pinned and task not in parked:
+                self.state.history[task] = replace(h, pinned=False)
+                log.info("park.pin_dropped", id_task=task, reason="the park that timed out did not happen")
+        self._unconfirmed_pins.clear()
 
     def _input(self, kv: KvSnapshot) -> PolicyInput:
         host = self._host()
         self.state.host = host
-        gpu_free = None
-        gpu = self.state.gpu
-        if gpu is not None and gpu.state is GpuState.OK:
-            gpu_free = gpu.min_free_bytes
+        gpu_free = self._gpu_input(kv).free_bytes
         return PolicyInput(
             kv=kv,
             now_ms=self._clock_ms(),
@@ -332,19 +384,35 @@ class ControlLoop:
         )
 
     async def read_gpu(self) -> None:
-        """Refresh the GPU reading (at most once a second; a no-op without a GPU)."""
-        if self._gpu is None or self._gpu.absent:
+        """Refresh NVML's reading (at most once a second), only where the server reports devices it runs on: NVML
+        then refines their numbers (matched by bus id); a device the server does not use plays no part."""
+        kv = self.state.snapshot
+        if self._gpu is None or self._gpu.absent or kv is None or not kv.devices:
             return
         now = time.monotonic()
         if now - self._gpu_read_at < GPU_READ_INTERVAL_S:
             return
         self._gpu_read_at = now
         self.state.gpu = await self._gpu.read()
-        for dev in self.state.gpu.devices:
-            if dev.used_bytes is not None:
-                self.metrics.gpu_memory_used_bytes.labels(gpu=str(dev.index)).set(dev.used_bytes)
-            if dev.free_bytes is not None:
-                self.metrics.gpu_memory_free_bytes.labels(gpu=str(dev.index)).set(dev.free_bytes)
+
+    def _gpu_input(self, kv: KvSnapshot) -> GpuRoom:
+        """The GPU room this poll: per device of the server, what others took since it started; published in
+        /status and the metrics, and logged when it starts or stops holding restores and admissions back."""
+        room = self._gpu_baseline.room(kv, self.state.gpu, self.config.gpu_floor_bytes)
+        prev = self.state.gpu_room
+        self.state.gpu_room = room
+        if room.held != prev.held:
+            if room.held is not None:
+                log.warning("gpu.held", reason=room.held)
+            else:
+                log.info("gpu.released")
+        m = self.metrics
+        for d in room.devices:
+            m.gpu_memory_used_bytes.labels(gpu=d.name).set(d.used_bytes)
+            m.gpu_memory_free_bytes.labels(gpu=d.name).set(d.free_bytes)
+            m.gpu_memory_server_bytes.labels(gpu=d.name).set(d.server_bytes)
+            m.gpu_memory_others_bytes.labels(gpu=d.name).set(d.others_bytes)
+        return room
 
     def _record_poll(self, kv: KvSnapshot, decision: Decision) -> None:
         p = decision.pressure
@@ -415,12 +483,23 @@ class ControlLoop:
         kv = self.state.snapshot
         return a.mode if kv is not None and kv.park_modes is not None else None
 
+    def _action_bytes(self, slot_id: int) -> int:
+        """The snapshot a park or resume of this slot copies, as the last poll saw it (0 when unknown)."""
+        kv = self.state.snapshot
+        slot = next((s for s in kv.slots if s.id == slot_id), None) if kv is not None else None
+        if kv is None or slot is None:
+            return 0
+        if slot.state is SlotState.PARKED:
+            return slot.park.bytes
+        return slot.park.snapshot_bytes if slot.park.snapshot_bytes is not None else slot.n_cells * kv.bytes_per_cell
+
     async def _park(self, a: Action, fields: dict[str, object]) -> ParkResult:
         """Park as the policy chose; a swap the server cannot hold now (503: its snapshot arena cannot grow, host
         memory ran short) becomes a park by recompute, since the request must still give up its cells."""
         mode = self._wire_mode(a)
+        timeout_s = self._busy(self.action_timeout_s(self._action_bytes(a.slot)))
         try:
-            return await self.client.park(a.slot, a.id_task, mode)
+            return await self.client.park(a.slot, a.id_task, mode, timeout_s=timeout_s)
         except UpstreamApiError as e:
             kv = self.state.snapshot
             modes = kv.park_modes if kv is not None else None
@@ -428,7 +507,7 @@ class ControlLoop:
                 raise
             log.warning("park.swap_refused", **fields, error=e.message)
             fields["mode"] = str(ParkMode.RECOMPUTE)
-            return await self.client.park(a.slot, a.id_task, ParkMode.RECOMPUTE)
+            return await self.client.park(a.slot, a.id_task, ParkMode.RECOMPUTE, timeout_s=self._busy(timeout_s))
 
     async def _carry_out(self, a: Action) -> bool:
         fields: dict[str, object] = {
@@ -448,7 +527,8 @@ class ControlLoop:
             if a.kind is ActionKind.PARK:
                 park = await self._park(a, fields)
             else:
-                resume = await self.client.resume(a.slot, a.id_task)
+                timeout_s = self._busy(self.action_timeout_s(self._action_bytes(a.slot)))
+                resume = await self.client.resume(a.slot, a.id_task, timeout_s=timeout_s)
         except UpstreamError as e:
             self._action_failed(str(a.kind), e, fields)
             return False
@@ -506,13 +586,15 @@ class ControlLoop:
         )
 
     def _action_failed(self, action: str, e: UpstreamError, fields: dict[str, object]) -> None:
+        """Count and log a failed park or resume. Only polls decide that the server is down: an action that timed out
+        may still complete on the server (a large copy), and the next poll shows how it went."""
         self.state.action_failures += 1
         status = str(e.status) if isinstance(e, UpstreamApiError) else "none"
         self.metrics.action_failures.labels(action=action, status=status).inc()
         event = "park.failed" if action == "park" else "restore.failed"
         log.warning(event, **fields, error=str(e))
         if isinstance(e, UpstreamUnavailable):
-            self._down(e)
+            self.poll_soon()  # reconcile from the server's word
 
     async def _end(self, a: Action, fields: dict[str, object]) -> bool:
         """A parked request that cannot fit the pool even alone: end it rather than let it wait forever."""
@@ -525,7 +607,8 @@ class ControlLoop:
             return True
         # without a proxy to end its stream, resume it alone: the server's own context limit then ends it
         try:
-            await self.client.resume(a.slot, a.id_task)
+            timeout_s = self._busy(self.action_timeout_s(self._action_bytes(a.slot)))
+            await self.client.resume(a.slot, a.id_task, timeout_s=timeout_s)
         except UpstreamError as e:
             self._action_failed("resume", e, fields)
             return False
@@ -539,13 +622,18 @@ class ControlLoop:
             if cmd.done.done():  # the caller gave up waiting
                 continue
             try:
-                cmd.done.set_result(await self._manual(cmd))
+                result = await self._manual(cmd)
             except ManualError as e:
-                cmd.done.set_exception(e)
+                if not cmd.done.done():
+                    cmd.done.set_exception(e)
+                continue
+            # the caller may have given up while the action ran (its future is cancelled): the action stands
+            if not cmd.done.done():
+                cmd.done.set_result(result)
 
     async def _manual(self, cmd: _Command) -> ManualResult:
         try:
-            kv = await self.client.get_kv()
+            kv = await self.client.get_kv(timeout_s=self._busy(self.poll_timeout_s()))
         except UpstreamError as e:
             self._down(e)
             raise ManualError(503, f"upstream down: {e}", retry_after_s=1.0) from None
@@ -558,6 +646,7 @@ class ControlLoop:
         task = slot.id_task
         fields: dict[str, object] = {"slot": slot.id, "id_task": task, "reason": str(Reason.MANUAL)}
         old = self.state.history.get(task, TaskHistory())
+        known = task in self.state.history
         if cmd.action is ManualAction.PARK:
             if slot.state is SlotState.PARKED:
                 self.state.history[task] = replace(old, pinned=True)
@@ -568,12 +657,29 @@ class ControlLoop:
                 )
             if cmd.mode is not None:
                 fields["mode"] = str(cmd.mode)
+            # pinned before it is asked for: a park that times out may still complete on the server, and the next
+            # poll keeps the pin if it did (see _up())
+            self.state.history[task] = replace(old, pinned=True)
             t0 = time.perf_counter()
+            timeout_s = self._busy(self.action_timeout_s(self._action_bytes(slot.id)))
             try:
-                park = await self.client.park(slot.id, task, cmd.mode)
+                park = await self.client.park(slot.id, task, cmd.mode, timeout_s=timeout_s)
             except UpstreamError as e:
                 self._action_failed("park", e, fields)
-                raise _manual_error(e) from None
+                if not isinstance(e, UpstreamUnavailable):
+                    # refused: nothing changed
+                    if known:
+                        self.state.history[task] = old
+                    else:
+                        self.state.history.pop(task, None)
+                    raise _manual_error(e) from None
+                self._unconfirmed_pins.add(task)
+                raise ManualError(
+                    504,
+                    f"the server did not answer the park in {timeout_s:g} s; it may still complete, and then the "
+                    f"request stays parked and pinned (see GET /status)",
+                    retry_after_s=1.0,
+                ) from None
             self._parked(park, Reason.MANUAL, time.perf_counter() - t0, fields, pin=True, requested=cmd.mode)
             mode = str(park.mode) if park.mode is not None else None
             return ManualResult(slot.id, task, cmd.action, True, "parked and pinned", park.n_cells, park.n_bytes, mode)
@@ -583,7 +689,8 @@ class ControlLoop:
         self.state.history[task] = replace(old, pinned=False)
         t0 = time.perf_counter()
         try:
-            resume = await self.client.resume(slot.id, task)
+            timeout_s = self._busy(self.action_timeout_s(slot.park.bytes))
+            resume = await self.client.resume(slot.id, task, timeout_s=timeout_s)
         except UpstreamError as e:
             self._action_failed("resume", e, fields)
             raise _manual_error(e) from None

@@ -26,6 +26,12 @@ _ACTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
 
 
+POLL_ERROR_KINDS = ("UpstreamUnavailable", "UpstreamApiError", "UpstreamProtocolError")
+"""The kinds of kvctl_poll_errors_total: the client's error classes."""
+ACTION_FAILURE_STATUSES = ("none", "409", "500", "503")
+"""The statuses kvctl_action_failures_total starts with (none: no answer); others appear as they happen."""
+
+
 class Metrics:
     """Every collector kvctl exports; one instance per registry."""
 
@@ -80,6 +86,12 @@ class Metrics:
             ["action", "status"],
             registry=r,
         )
+        # the known label values start at 0, so that rate(), increase() and the alerts see the first failure
+        for kind in POLL_ERROR_KINDS:
+            self.poll_errors.labels(kind=kind)
+        for action in ("park", "resume"):
+            for status in ACTION_FAILURE_STATUSES:
+                self.action_failures.labels(action=action, status=status)
         self.park_seconds = Histogram(
             "kvctl_park_duration_seconds", "Round trip of a park request", buckets=_ACTION_BUCKETS, registry=r
         )
@@ -101,8 +113,24 @@ class Metrics:
             "kvctl_host_available_bytes", "Host memory available without swapping (psutil)", registry=r
         )
         self.gpu_memory_used_bytes = Gauge(
-            "kvctl_gpu_memory_used_bytes", "GPU memory in use (NVML); absent without a GPU", ["gpu"], registry=r
+            "kvctl_gpu_memory_used_bytes",
+            "Memory in use on each device the server runs on (NVML where kvctl sees it, else the server's backend); "
+            "absent on a CPU build",
+            ["gpu"],
+            registry=r,
         )
         self.gpu_memory_free_bytes = Gauge(
-            "kvctl_gpu_memory_free_bytes", "GPU memory free (NVML); absent without a GPU", ["gpu"], registry=r
+            "kvctl_gpu_memory_free_bytes", "Memory free on each device the server runs on", ["gpu"], registry=r
+        )
+        self.gpu_memory_server_bytes = Gauge(
+            "kvctl_gpu_memory_server_bytes",
+            "What the server's own buffers (weights, KV pool, compute) take on each device it runs on",
+            ["gpu"],
+            registry=r,
+        )
+        self.gpu_memory_others_bytes = Gauge(
+            "kvctl_gpu_memory_others_bytes",
+            "What everything else (other processes, the driver) takes on each device the server runs on",
+            ["gpu"],
+            registry=r,
         )

@@ -172,7 +172,7 @@ class PolicyConfig:
             margin_cells=s.restore_margin_cells,
             order=s.restore_order,
             max_wait_ms=int(s.max_wait_s * 1000),
-            gpu_floor_bytes=s.gpu_free_floor_mib * MiB,
+            gpu_floor_bytes=s.gpu_headroom_mib * MiB,
         )
 
 
@@ -598,7 +598,7 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admis
     pool = _pool(kv)
     resident = any(s.is_resident for s in kv.slots)
     if inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes and resident:
-        return Admission(False, "GPU memory under the floor", 0)
+        return Admission(False, "other processes took the GPU memory the server needs (see /status gpu_held)", 0)
     per = max(1, n_prompt_cells) + 1
     room = cfg.high * pool.n_target - pool.ratio() * pool.n_target  # cells left below HIGH, target pool
     if pool.n_draft:

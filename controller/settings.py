@@ -105,8 +105,23 @@ class UpstreamSettings(_Group):
     """Bearer token for a server started with `--api-key`; sent on every request and never logged."""
 
     timeout_s: float = Field(default=2.0, gt=0)
-    """Seconds one request to the server may take. A park waits for the next quiescent point of the main loop, which
-    takes one decode step (milliseconds); 2 s leaves room for a slow step yet stays well inside the lease."""
+    """Seconds a request to the server may take when nothing says it needs longer: connecting, `/health`, `/props`, and
+    a poll until the server has measured its prompt rate. Polls then wait for the longest batch the server may run
+    (`poll_timeout_max_s`), and parks and resumes for their copy (`action_timeout_min_s`)."""
+
+    poll_timeout_max_s: float = Field(default=30.0, gt=0)
+    """The longest a poll of `GET /kv` may take. The server answers between two batches, so kvctl waits `timeout_s` plus
+    twice the longest batch it may run (the next step's cells at its measured prompt rate), up to this; only polls
+    that get no answer in that time count the server as down."""
+
+    action_timeout_min_s: float = Field(default=10.0, gt=0)
+    """The shortest time a park or resume may take. A park is answered once its snapshot is copied, so kvctl waits
+    `timeout_s` plus four times the snapshot's copy at the server's measured rate (1 GB/s until measured), within
+    this floor and `action_timeout_max_s`. A park or resume that times out does not count the server as down: the
+    next poll shows whether it completed."""
+
+    action_timeout_max_s: float = Field(default=300.0, gt=0)
+    """The longest time a park or resume may take (see `action_timeout_min_s`)."""
 
     lease_s: float = Field(default=10.0, gt=0)
     """The server's `--park-lease` in seconds (its default: 10). Every request renews the lease; the back-off and the
@@ -287,9 +302,10 @@ class PolicySettings(_Group):
     requests to make room if needed). Long enough that rotation costs little, short enough that no chat stalls
     noticeably longer than a slow tool call."""
 
-    gpu_free_floor_mib: int = Field(default=256, ge=0)
-    """With a GPU: free device memory (MiB, NVML) under this counts as pressure and holds restores back. 256 MiB
-    leaves room for CUDA's own scratch allocations. Ignored when NVML is absent."""
+    gpu_headroom_mib: int = Field(default=256, ge=0)
+    """On a GPU the server runs on: when other processes have taken memory since the server started and left less
+    than this free (MiB), restores and admissions wait. The free memory of a GPU the server itself filled never holds
+    anything back. 256 MiB leaves room for a compute buffer the server reallocates. Replaces `gpu_free_floor_mib`."""
 
     @field_validator("low")
     @classmethod
@@ -378,6 +394,20 @@ class LogSettings(_Group):
     """`json` lines, a readable `console`, or `auto`: console on a terminal, JSON otherwise (journald, files)."""
 
 
+RENAMED: dict[tuple[str, str], str] = {
+    ("policy", "gpu_free_floor_mib"): "gpu_headroom_mib",
+}
+"""Settings renamed in this release, (group, old name) -> new name: the old name is still accepted, with a warning
+naming the new one, for one release (in flags, the environment and the TOML file alike)."""
+
+_deprecations: list[str] = []
+
+
+def deprecations() -> tuple[str, ...]:
+    """The renamed settings the last load_settings() met, as warnings to log."""
+    return tuple(_deprecations)
+
+
 class Settings(BaseSettings):
     """Everything kvctl can be told."""
 
@@ -408,6 +438,27 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # flags > environment > TOML file > defaults; no .env files: systemd and shells own the environment
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for (group, old), new in RENAMED.items():
+            values = data.get(group)
+            if isinstance(values, dict) and old in values:
+                values = dict(values)
+                value = values.pop(old)
+                if new in values:
+                    _deprecations.append(f"{group}.{old} is renamed {group}.{new}; both are set, {group}.{new} wins")
+                else:
+                    values[new] = value
+                    _deprecations.append(
+                        f"{group}.{old} ({env_name(f'{group}.{old}')}) is renamed {group}.{new} "
+                        f"({env_name(f'{group}.{new}')}) and will stop working in the next release"
+                    )
+                data = {**data, group: values}
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Settings:
@@ -511,6 +562,7 @@ def load_settings(config_file: Path | None = None, overrides: Mapping[str, Any] 
             model_config = SettingsConfigDict(toml_file=config_file)
 
         cls = FromFile
+    _deprecations.clear()
     try:
         return cls(**dict(overrides or {}))
     except ValidationError as e:

@@ -118,12 +118,24 @@ class LoopView(_Model):
 
 
 class GpuDeviceView(_Model):
+    """A device the server runs on (it names them in /kv), its memory by NVML where kvctl sees it (matched by PCI bus
+    id), else by the server's backend."""
+
     index: int
     name: str | None
     used_bytes: int | None
-    """None where the device does not report it (NVML NotSupported)."""
+    """None where the device does not report it."""
     free_bytes: int | None
     total_bytes: int | None
+    server_bytes: int | None = None
+    """The server's own buffers on it."""
+    others_bytes: int | None = None
+    """Everything else on it: other processes and the driver."""
+    others_growth_bytes: int | None = None
+    """How much others took since the server started: what can hold restores and admissions back."""
+    device_id: str | None = None
+    source: str | None = None
+    """``nvml`` or ``server``."""
 
 
 class Status(_Model):
@@ -147,8 +159,11 @@ class Status(_Model):
     host_available_bytes: int | None
     host_total_bytes: int | None
     gpu: str
-    """``absent`` (no NVML, driver or device), ``ok`` or ``error``."""
+    """``ok`` when the server reports the devices it runs on, ``absent`` when it runs on none (a CPU build, or an
+    older server that does not say), ``error`` when NVML failed to read them."""
     gpu_devices: list[GpuDeviceView]
+    gpu_held: str | None = None
+    """Why restores and admissions wait for GPU memory (others took memory since the server started); None if not."""
 
 
 _SUPERVISED_STATE = {
@@ -246,7 +261,10 @@ def build_status(
             else None,
         )
     snapshot = state.snapshot
-    gpu = state.gpu
+    room = state.gpu_room
+    gpu_state = str(GpuState.OK) if room.devices else str(GpuState.ABSENT)
+    if state.gpu is not None and state.gpu.state is GpuState.ERROR and room.devices:
+        gpu_state = str(GpuState.ERROR)
     return Status(
         version=version,
         uptime_s=uptime_s,
@@ -277,11 +295,21 @@ def build_status(
         ),
         host_available_bytes=state.host.available_bytes if state.host is not None else None,
         host_total_bytes=state.host.total_bytes if state.host is not None else None,
-        gpu=str(gpu.state) if gpu is not None else str(GpuState.ABSENT),
+        gpu=gpu_state,
         gpu_devices=[
             GpuDeviceView(
-                index=d.index, name=d.name, used_bytes=d.used_bytes, free_bytes=d.free_bytes, total_bytes=d.total_bytes
+                index=i,
+                name=d.name,
+                used_bytes=d.used_bytes,
+                free_bytes=d.free_bytes,
+                total_bytes=d.total_bytes,
+                server_bytes=d.server_bytes,
+                others_bytes=d.others_bytes,
+                others_growth_bytes=d.others_growth_bytes,
+                device_id=d.device_id,
+                source=d.source,
             )
-            for d in (gpu.devices if gpu is not None else ())
+            for i, d in enumerate(room.devices)
         ],
+        gpu_held=room.held,
     )

@@ -7,7 +7,8 @@ One task drives an explicit state machine; nothing else changes the state, so no
     READY --exit--> BACKOFF --restart delay--> STARTING         (the delay doubles, reset once READY lasted)
     any --stop()--> STOPPING --SIGTERM, then SIGKILL after stop_timeout_s--> STOPPED
 
-The server runs in its own process group, so signals reach whatever it started too. Readiness is
+The server runs in its own process group, so signals reach whatever it started too, and the group is killed
+when the server exits; the server dies with kvctl (a parent-death signal, Linux), even by kill -9. Readiness is
 ``/health`` answering 200 or the child exiting, whichever comes first. Attaching to a server
 started elsewhere needs no supervisor: the control loop's back-off covers its restarts.
 """
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +70,28 @@ class SupervisorStatus:
     @property
     def ready_since(self) -> float | None:
         return self.ready_since_unix
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def die_with_parent() -> None:
+    """Run in the child between fork and exec (Linux): the kernel sends it SIGKILL when kvctl dies, however it dies
+    (kill -9, the OOM killer), so a spawned server is never orphaned holding its GPU and port. The signal is tied to
+    the forking thread: kvctl forks from its event loop's thread, which lives as long as kvctl."""
+    if _LIBC is None:
+        return
+    parent = os.getppid()
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # kvctl died before the prctl: nothing would send the signal
+        os._exit(1)
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a process group that may be gone already."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def spawn_argv(settings: Settings) -> list[str]:
@@ -145,8 +170,7 @@ class Supervisor:
         if self.status.state is not SupervisorState.READY or proc is None or proc.returncode is not None:
             return False
         log.error("supervisor.kill_hung", pid=proc.pid, reason=why)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         return True
 
     async def stop(self) -> None:
@@ -172,6 +196,7 @@ class Supervisor:
                 stderr=asyncio.subprocess.STDOUT if out is not None else None,
                 start_new_session=True,
                 env=env,
+                preexec_fn=die_with_parent,  # a prctl between fork and exec, see die_with_parent()
             )
         except OSError as e:
             log.error("supervisor.spawn_failed", argv0=self._argv[0], error=str(e))
@@ -193,6 +218,8 @@ class Supervisor:
             self.status.ready_since_unix = time.time()
             log.info("supervisor.ready", pid=proc.pid, after_s=round(time.monotonic() - started, 3))
             await proc.wait()
+        # the leader is gone: whatever it started (a helper, a grandchild) must not outlive it holding the GPU
+        kill_group(proc.pid)
         rc = proc.returncode if proc.returncode is not None else -1
         info = ExitInfo(returncode=rc, at_unix=time.time(), early=not ready, uptime_s=time.monotonic() - started)
         self.status.last_exit = info
@@ -230,12 +257,11 @@ class Supervisor:
             return
         if self._stopping.is_set():
             self._set(SupervisorState.STOPPING)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        kill_group(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), self.settings.supervisor.stop_timeout_s)
         except TimeoutError:
             log.warning("supervisor.kill", pid=proc.pid, after_s=self.settings.supervisor.stop_timeout_s)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)
             await proc.wait()
+        kill_group(proc.pid)  # the leader stopped; the rest of its group goes with it

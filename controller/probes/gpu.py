@@ -1,5 +1,7 @@
 """GPU memory through NVML: the only module that touches pynvml (package nvidia-ml-py).
 
+kvctl reads it only for the devices the server says it runs on, matched by PCI bus id (controller.gpu_room).
+
 Without the bindings, the driver or a GPU, the probe reports ``absent`` and nothing else changes.
 A field a device does not support reads as None. NVML calls block, so they run in a thread.
 """
@@ -34,6 +36,8 @@ class GpuDevice:
     used_bytes: int | None
     free_bytes: int | None
     total_bytes: int | None
+    bus_id: str | None = None
+    """The PCI bus id as NVML writes it ("00000000:C1:00.0"): how a device the server reports is matched."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,11 @@ class GpuProbe:
             name = self._field(nvml.nvmlDeviceGetName, handle)
             if isinstance(name, bytes):
                 name = name.decode()
+            pci_info = getattr(nvml, "nvmlDeviceGetPciInfo", None)
+            pci = self._field(pci_info, handle) if pci_info is not None else None
+            bus_id = getattr(pci, "busId", None) if pci is not None else None
+            if isinstance(bus_id, bytes):
+                bus_id = bus_id.decode()
             devices.append(
                 GpuDevice(
                     index=i,
@@ -121,6 +130,7 @@ class GpuProbe:
                     used_bytes=int(mem.used) if mem is not None else None,
                     free_bytes=int(mem.free) if mem is not None else None,
                     total_bytes=int(mem.total) if mem is not None else None,
+                    bus_id=bus_id,
                 )
             )
         return GpuReading(GpuState.OK, tuple(devices))

@@ -120,6 +120,17 @@ class Inflight:
             self.upstream.close()  # a pending read raises ClientConnectionError at once
 
 
+# the stages kvctl_proxy_stream_errors counts (kvctl's reason codes of streams it ended)
+STREAM_ERROR_STAGES = (
+    "connect",
+    "upstream",
+    "upstream_timeout",
+    "upstream_disconnected",
+    "client_stalled",
+    "shutting_down",
+)
+
+
 @dataclass
 class ProxyMetrics:
     registry: CollectorRegistry
@@ -152,6 +163,9 @@ class ProxyMetrics:
         )
         self.disconnects = Counter("kvctl_proxy_client_disconnects", "Clients that hung up mid-request", registry=r)
         self.stream_errors = Counter("kvctl_proxy_stream_errors", "Stream errors by stage", ["stage"], registry=r)
+        # every stage a series from the start: rate() and increase() miss the first error of a series born at 1
+        for stage in STREAM_ERROR_STAGES:
+            self.stream_errors.labels(stage=stage)
         self.heartbeats = Counter("kvctl_proxy_heartbeats", "Heartbeat comments sent", registry=r)
         self.auth_failures = Counter(
             "kvctl_proxy_auth_failures", "Requests refused for their credentials (401)", registry=r

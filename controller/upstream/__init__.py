@@ -9,6 +9,7 @@ from controller.upstream.client import (
     UpstreamUnavailable,
 )
 from controller.upstream.models import (
+    Device,
     ErrorEnvelope,
     KvSnapshot,
     Lease,
@@ -20,12 +21,14 @@ from controller.upstream.models import (
     ParkResult,
     PoolInfo,
     ResumeResult,
+    ServerIdentity,
     Slot,
     SlotState,
 )
 
 __all__ = [
     "LEASE_HEADER",
+    "Device",
     "ErrorEnvelope",
     "KvSnapshot",
     "Lease",
@@ -37,6 +40,7 @@ __all__ = [
     "ParkResult",
     "PoolInfo",
     "ResumeResult",
+    "ServerIdentity",
     "Slot",
     "SlotState",
     "UpstreamApiError",

@@ -79,7 +79,8 @@ def _retry_after(headers: Any) -> float | None:
 
 KEEPALIVE_S = 1.0
 # a park or resume is answered once its snapshot is copied, slice by slice between the other requests' decode
-# steps (--park-slice): seconds for GiB snapshots on a busy server, so it waits longer than a poll
+# steps (--park-slice): seconds for GiB snapshots on a busy server, so it waits longer than a poll; the control
+# loop sizes it by the snapshot (ControlLoop.action_timeout_s), this is for callers that do not
 COPY_TIMEOUT_S = 120.0
 
 
@@ -143,10 +144,13 @@ class UpstreamClient:
                 if resp.status >= 400:
                     raise self._api_error(resp.status, payload, resp.headers)
                 return resp.status, payload
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+            # a payload error: the answer was cut off (the server went away mid-body)
             raise UpstreamUnavailable(f"{method} {path}: {type(e).__name__}: {e}".rstrip(": ")) from None
         except aiohttp.ClientResponseError as e:
             raise UpstreamProtocolError(f"{method} {path}: {e.message}", e.status) from None
+        except aiohttp.ClientError as e:  # any other client failure is no answer either, never a crash
+            raise UpstreamUnavailable(f"{method} {path}: {type(e).__name__}: {e}".rstrip(": ")) from None
 
     @staticmethod
     def _api_error(status: int, payload: bytes, headers: Any) -> UpstreamError:
@@ -168,8 +172,8 @@ class UpstreamClient:
                 f"{path}: unexpected answer ({where}: {first['msg']}); is this the patched llama-server?", status
             ) from None
 
-    async def get_kv(self) -> KvSnapshot:
-        status, payload = await self._request("GET", "/kv")
+    async def get_kv(self, timeout_s: float | None = None) -> KvSnapshot:
+        status, payload = await self._request("GET", "/kv", timeout_s=timeout_s)
         return self._parse(KvSnapshot, "/kv", status, payload)
 
     async def get_slots(self) -> tuple[Slot, ...]:
@@ -179,7 +183,9 @@ class UpstreamClient:
         except ValidationError as e:
             raise UpstreamProtocolError(f"/slots: unexpected answer: {e.errors()[0]['msg']}", status) from None
 
-    async def park(self, slot_id: int, id_task: int | None = None, mode: ParkMode | None = None) -> ParkResult:
+    async def park(
+        self, slot_id: int, id_task: int | None = None, mode: ParkMode | None = None, timeout_s: float | None = None
+    ) -> ParkResult:
         """Park by ``mode``; None: the server's choice (swap when the snapshot fits its budget, else recompute).
         An explicit swap that does not fit is a 503."""
         path = f"/slots/{slot_id}?action=park"
@@ -188,13 +194,13 @@ class UpstreamClient:
             body["id_task"] = id_task
         if mode is not None:
             body["mode"] = str(mode)
-        status, payload = await self._request("POST", path, body, COPY_TIMEOUT_S)
+        status, payload = await self._request("POST", path, body, timeout_s or COPY_TIMEOUT_S)
         return self._parse(ParkResult, path, status, payload)
 
-    async def resume(self, slot_id: int, id_task: int | None = None) -> ResumeResult:
+    async def resume(self, slot_id: int, id_task: int | None = None, timeout_s: float | None = None) -> ResumeResult:
         path = f"/slots/{slot_id}?action=resume"
         body = {"id_task": id_task} if id_task is not None else {}
-        status, payload = await self._request("POST", path, body, COPY_TIMEOUT_S)
+        status, payload = await self._request("POST", path, body, timeout_s or COPY_TIMEOUT_S)
         return self._parse(ResumeResult, path, status, payload)
 
     async def health(self) -> bool:

@@ -166,6 +166,26 @@ class ParkArena(_Shape):
     keep_s: int
 
 
+class ServerIdentity(_Shape):
+    """Which process answers (patch 21): a new boot id is a restarted server, whose task ids start again."""
+
+    boot_id: str
+    t_start_ms: int
+
+
+class Device(_Shape):
+    """A device the server's models run on (patch 21; none on a CPU build), as its backend sees it."""
+
+    name: str
+    description: str = ""
+    device_id: str | None = None
+    """The PCI bus id ("0000:c1:00.0") where the backend knows it: how NVML's device is matched."""
+    memory_free_bytes: int
+    memory_total_bytes: int
+    buffers_bytes: int
+    """What the server's own buffers (weights, KV pool, compute) take on it."""
+
+
 class KvSnapshot(_Shape):
     """``GET /kv``: one snapshot taken between two decode steps."""
 
@@ -190,6 +210,10 @@ class KvSnapshot(_Shape):
     """The server's host memory available without swapping (MemAvailable); None: unknown."""
     park_rates: ParkRates = ParkRates()
     park_arena: ParkArena | None = None
+    server: ServerIdentity | None = None
+    """None: an older server, which does not say (a restart is then told by the server going away)."""
+    devices: tuple[Device, ...] | None = None
+    """None: an older server, which does not say; (): a CPU build."""
     """The host memory the server keeps for snapshots; None: an older server."""
     auto_park: bool = False
     auto_resume_ratio: float | None = None

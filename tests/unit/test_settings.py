@@ -60,7 +60,7 @@ INVALID = [
     ({"policy": {"low": -0.1}}, "policy.low", "greater than 0"),
     ({"policy": {"snapshot_budget_mib": -1}}, "policy.snapshot_budget_mib", "greater than or equal to 0"),
     ({"policy": {"host_ram_reserve_mib": -5}}, "policy.host_ram_reserve_mib", "greater than or equal to 0"),
-    ({"policy": {"gpu_free_floor_mib": -5}}, "policy.gpu_free_floor_mib", "greater than or equal to 0"),
+    ({"policy": {"gpu_headroom_mib": -5}}, "policy.gpu_headroom_mib", "greater than or equal to 0"),
     ({"policy": {"restore_margin_cells": -1}}, "policy.restore_margin_cells", "greater than or equal to 0"),
     ({"policy": {"max_wait_s": 0}}, "policy.max_wait_s", "greater than 0"),
     ({"policy": {"restore_order": "lifo"}}, "policy.restore_order", "'aging', 'fifo' or 'seed'"),
