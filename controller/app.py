@@ -133,6 +133,9 @@ class App:
         limit = self.settings.proxy.upstream_read_timeout_s
         # an error answer (a 401, a 503 while loading) is an answer: only silence (timeouts, refused connections)
         since = self.loop.state.last_answer_monotonic
+        if self.loop.state.last_action_end_monotonic is not None:
+            # a park or resume in between (answered or not) was no poll: silence counts from its end
+            since = max(since or 0.0, self.loop.state.last_action_end_monotonic)
         if self.supervisor is not None and self.supervisor.status.ready_since_unix is not None:
             # a (re)started server's clock starts when it is ready, not at the last answer of the one before
             ready_for = time.time() - self.supervisor.status.ready_since_unix

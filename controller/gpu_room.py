@@ -20,8 +20,11 @@ from controller.upstream import KvSnapshot
 __all__ = ["DeviceRoom", "GpuBaseline", "GpuRoom", "normalize_bus_id"]
 
 MiB = 1024 * 1024
-GROWTH_NOISE_BYTES = 64 * MiB
-"""Growth of others' memory below this is allocator noise (a driver's context, a monitoring tool), not a process."""
+GROWTH_NOISE_BYTES = 1024 * MiB
+"""Growth of "others" below this does not count. The server's own buffers as it reports them (weights, KV, compute) are
+not all it takes: the CUDA backend's memory pool, cuBLAS workspaces and CUDA graphs grow lazily with the first large
+batches and never shrink, and they show up as "others". 1 GiB is a guess made without a GPU to measure on (no device
+was lent): bench/gpu.sh should measure how much they grow, and this be set from it."""
 
 
 def normalize_bus_id(bus_id: str | bytes | None) -> str | None:
@@ -83,12 +86,16 @@ class GpuBaseline:
             self._boot, self._base = boot, {}
         by_bus = {}
         if nvml is not None and nvml.state is GpuState.OK:
-            by_bus = {normalize_bus_id(d.bus_id): d for d in nvml.devices if d.bus_id is not None}
+            by_bus = {key: d for d in nvml.devices if (key := normalize_bus_id(d.bus_id)) is not None}
         rooms = []
         for d in kv.devices:
             key = normalize_bus_id(d.device_id) or d.name
-            nv = by_bus.get(normalize_bus_id(d.device_id)) if d.device_id else None
-            if nv is not None and nv.used_bytes is not None and nv.free_bytes is not None and nv.total_bytes:
+            bus = normalize_bus_id(d.device_id)
+            nv = by_bus.get(bus) if bus is not None else None
+            # NVML sees the whole GPU: where the server's device is a part of it (a MIG slice), the backend's own
+            # numbers are the ones that describe the server's room
+            whole = nv is not None and nv.total_bytes is not None and nv.total_bytes <= d.memory_total_bytes * 1.05
+            if nv is not None and whole and nv.used_bytes is not None and nv.free_bytes is not None and nv.total_bytes:
                 total, used, free, source = nv.total_bytes, nv.used_bytes, nv.free_bytes, "nvml"
             else:
                 total, free, source = d.memory_total_bytes, d.memory_free_bytes, "server"

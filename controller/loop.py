@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import TypeVar
 
 import structlog
 
@@ -52,6 +53,8 @@ from controller.upstream import (
 __all__ = ["ControlLoop", "LoopState", "ManualAction", "ManualError", "ManualResult"]
 
 log = structlog.get_logger("kvctl.loop")
+
+_T = TypeVar("_T")
 
 ASSUMED_COPY_BYTES_PER_S = 1e9  # a park's copy rate until the server has measured one
 GPU_READ_INTERVAL_S = 1.0  # NVML reads block a thread; GPU memory does not move at the pool's pace
@@ -115,6 +118,8 @@ class LoopState:
     """When the current snapshot was asked for: what the proxy admitted after it is not in it."""
     heartbeat_monotonic: float = field(default_factory=time.monotonic)
     busy_until_monotonic: float = 0.0
+    last_action_end_monotonic: float | None = None
+    """When the last park or resume returned (answered or not): the hang check counts silence from there."""
     """While the loop waits on a call to the server, when that call's own timeout ends it: a long park is not a
     stalled loop (see ControlLoop.stalled())."""
     snapshot: KvSnapshot | None = None
@@ -171,6 +176,8 @@ class ControlLoop:
         self._skip_labels: set[tuple[str, str]] = set()
         self._blocked: set[SkipReason] = set()
         self._unconfirmed_pins: set[int] = set()
+        self._next_poll_timeout_s = 0.0
+        self._last_action_timeout_s = 0.0
         self._gpu_baseline = GpuBaseline()
 
     # --- public ----------------------------------------------------------------------------------
@@ -220,20 +227,45 @@ class ControlLoop:
         now = time.monotonic()
         return now - self.state.heartbeat_monotonic >= limit_s and now >= self.state.busy_until_monotonic
 
-    def _busy(self, timeout_s: float) -> float:
+    async def _timed(self, call: Awaitable[_T], timeout_s: float, *, action: bool) -> _T:
+        """One call to the server, made with timeout_s: until it returns the loop counts as busy, not stalled; a call
+        that may outlast half the lease keeps the lease meanwhile (GET /health with the lease header, which the server
+        answers without its main loop: patch 22); and the end of an action is noted for the hang check, which counts
+        the server's silence from there (only polls decide that the server is down or hung)."""
         self.state.busy_until_monotonic = time.monotonic() + timeout_s + 1.0
-        return timeout_s
+        if action:
+            self._last_action_timeout_s = timeout_s
+        lease_s = self.settings.upstream.lease_s
+        keeper = asyncio.create_task(self._keep_lease(lease_s / 3)) if timeout_s > lease_s / 2 else None
+        try:
+            return await call
+        finally:
+            self.state.busy_until_monotonic = 0.0
+            if action:
+                self.state.last_action_end_monotonic = time.monotonic()
+            if keeper is not None:
+                keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keeper
+
+    async def _keep_lease(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(UpstreamError):
+                await self.client.health()
 
     def poll_timeout_s(self) -> float:
         """How long a poll may take: the server answers between two batches, so a poll can wait behind the longest
-        batch it may run (the next step's cells at its measured prompt rate) before it counts as unanswered."""
+        batch it may run (the next step's cells at its measured prompt rate) before it counts as unanswered; the
+        poll right after an action that timed out waits as long as that action could."""
         base = self.settings.upstream.timeout_s
         kv = self.state.snapshot
         rate = kv.park_rates.prompt_tokens_per_s if kv is not None else None
-        if kv is None or not rate:
-            return base
-        batch_s = kv.next_step.n_total_max / rate
-        return min(max(base, base + 2 * batch_s), max(base, self.settings.upstream.poll_timeout_max_s))
+        timeout_s = base
+        if kv is not None and rate:
+            batch_s = kv.next_step.n_total_max / rate
+            timeout_s = min(base + 2 * batch_s, max(base, self.settings.upstream.poll_timeout_max_s))
+        return max(timeout_s, self._next_poll_timeout_s)
 
     def action_timeout_s(self, n_bytes: int) -> float:
         """How long a park or resume of an n_bytes snapshot may take: it is answered once the copy is done, which the
@@ -249,17 +281,22 @@ class ControlLoop:
         self.state.max_growth = 0.0
 
     async def manual(
-        self, action: ManualAction, slot: int, timeout_s: float = 10.0, mode: ParkMode | None = None
+        self, action: ManualAction, slot: int, timeout_s: float | None = None, mode: ParkMode | None = None
     ) -> ManualResult:
         """A manual park (pinned until resumed by hand) or resume, carried out by the loop's task. A park goes by
-        ``mode``; None: the server's choice."""
+        ``mode``; None: the server's choice. By default it waits as long as the loop's poll and the action may take
+        (plus a step of the loop), so that the action's own answer, or its timeout, comes back."""
+        if timeout_s is None:
+            timeout_s = self.poll_timeout_s() + self.action_timeout_s(self._action_bytes(slot)) + 5.0
         done: asyncio.Future[ManualResult] = asyncio.get_running_loop().create_future()
         await self._commands.put(_Command(action, slot, done, mode))
         self._wake.set()
         try:
             return await asyncio.wait_for(done, timeout_s)
         except TimeoutError:
-            raise ManualError(504, "the control loop did not carry out the request in time") from None
+            raise ManualError(
+                504, "the control loop did not carry out the request in time; it may still complete (see GET /status)"
+            ) from None
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -284,6 +321,7 @@ class ControlLoop:
             self._wake.clear()
             await self._run_commands()
             ok = await self.step()
+            self.state.heartbeat_monotonic = time.monotonic()  # a long step is over: the wait that follows is no stall
             for listener in self._poll_listeners:
                 listener()
             if ok:
@@ -305,7 +343,9 @@ class ControlLoop:
             self._forget_pending = False
         asked = time.monotonic()
         try:
-            kv = await self.client.get_kv(timeout_s=self._busy(self.poll_timeout_s()))
+            timeout_s = self.poll_timeout_s()
+            self._next_poll_timeout_s = 0.0
+            kv = await self._timed(self.client.get_kv(timeout_s=timeout_s), timeout_s, action=False)
         except UpstreamError as e:
             if not isinstance(e, UpstreamUnavailable):
                 self.state.last_answer_monotonic = time.monotonic()
@@ -497,9 +537,10 @@ class ControlLoop:
         """Park as the policy chose; a swap the server cannot hold now (503: its snapshot arena cannot grow, host
         memory ran short) becomes a park by recompute, since the request must still give up its cells."""
         mode = self._wire_mode(a)
-        timeout_s = self._busy(self.action_timeout_s(self._action_bytes(a.slot)))
+        timeout_s = self.action_timeout_s(self._action_bytes(a.slot))
         try:
-            return await self.client.park(a.slot, a.id_task, mode, timeout_s=timeout_s)
+            call = self.client.park(a.slot, a.id_task, mode, timeout_s=timeout_s)
+            return await self._timed(call, timeout_s, action=True)
         except UpstreamApiError as e:
             kv = self.state.snapshot
             modes = kv.park_modes if kv is not None else None
@@ -507,7 +548,8 @@ class ControlLoop:
                 raise
             log.warning("park.swap_refused", **fields, error=e.message)
             fields["mode"] = str(ParkMode.RECOMPUTE)
-            return await self.client.park(a.slot, a.id_task, ParkMode.RECOMPUTE, timeout_s=self._busy(timeout_s))
+            call = self.client.park(a.slot, a.id_task, ParkMode.RECOMPUTE, timeout_s=timeout_s)
+            return await self._timed(call, timeout_s, action=True)
 
     async def _carry_out(self, a: Action) -> bool:
         fields: dict[str, object] = {
@@ -527,8 +569,9 @@ class ControlLoop:
             if a.kind is ActionKind.PARK:
                 park = await self._park(a, fields)
             else:
-                timeout_s = self._busy(self.action_timeout_s(self._action_bytes(a.slot)))
-                resume = await self.client.resume(a.slot, a.id_task, timeout_s=timeout_s)
+                timeout_s = self.action_timeout_s(self._action_bytes(a.slot))
+                call = self.client.resume(a.slot, a.id_task, timeout_s=timeout_s)
+                resume = await self._timed(call, timeout_s, action=True)
         except UpstreamError as e:
             self._action_failed(str(a.kind), e, fields)
             return False
@@ -594,7 +637,10 @@ class ControlLoop:
         event = "park.failed" if action == "park" else "restore.failed"
         log.warning(event, **fields, error=str(e))
         if isinstance(e, UpstreamUnavailable):
-            self.poll_soon()  # reconcile from the server's word
+            # reconcile from the server's word, waiting as long as the action could have: a copy the server runs at
+            # once (an older server, --park-slice 0, a full pool) answers the poll only when it is done
+            self._next_poll_timeout_s = max(self._next_poll_timeout_s, self._last_action_timeout_s)
+            self.poll_soon()
 
     async def _end(self, a: Action, fields: dict[str, object]) -> bool:
         """A parked request that cannot fit the pool even alone: end it rather than let it wait forever."""
@@ -607,8 +653,8 @@ class ControlLoop:
             return True
         # without a proxy to end its stream, resume it alone: the server's own context limit then ends it
         try:
-            timeout_s = self._busy(self.action_timeout_s(self._action_bytes(a.slot)))
-            await self.client.resume(a.slot, a.id_task, timeout_s=timeout_s)
+            timeout_s = self.action_timeout_s(self._action_bytes(a.slot))
+            await self._timed(self.client.resume(a.slot, a.id_task, timeout_s=timeout_s), timeout_s, action=True)
         except UpstreamError as e:
             self._action_failed("resume", e, fields)
             return False
@@ -633,7 +679,8 @@ class ControlLoop:
 
     async def _manual(self, cmd: _Command) -> ManualResult:
         try:
-            kv = await self.client.get_kv(timeout_s=self._busy(self.poll_timeout_s()))
+            timeout_s = self.poll_timeout_s()
+            kv = await self._timed(self.client.get_kv(timeout_s=timeout_s), timeout_s, action=False)
         except UpstreamError as e:
             self._down(e)
             raise ManualError(503, f"upstream down: {e}", retry_after_s=1.0) from None
@@ -661,12 +708,13 @@ class ControlLoop:
             # poll keeps the pin if it did (see _up())
             self.state.history[task] = replace(old, pinned=True)
             t0 = time.perf_counter()
-            timeout_s = self._busy(self.action_timeout_s(self._action_bytes(slot.id)))
+            timeout_s = self.action_timeout_s(self._action_bytes(slot.id))
             try:
-                park = await self.client.park(slot.id, task, cmd.mode, timeout_s=timeout_s)
+                call = self.client.park(slot.id, task, cmd.mode, timeout_s=timeout_s)
+                park = await self._timed(call, timeout_s, action=True)
             except UpstreamError as e:
                 self._action_failed("park", e, fields)
-                if not isinstance(e, UpstreamUnavailable):
+                if isinstance(e, UpstreamApiError):
                     # refused: nothing changed
                     if known:
                         self.state.history[task] = old
@@ -674,10 +722,11 @@ class ControlLoop:
                         self.state.history.pop(task, None)
                     raise _manual_error(e) from None
                 self._unconfirmed_pins.add(task)
+                what = f"did not answer the park in {timeout_s:g} s" if isinstance(e, UpstreamUnavailable) else str(e)
                 raise ManualError(
                     504,
-                    f"the server did not answer the park in {timeout_s:g} s; it may still complete, and then the "
-                    f"request stays parked and pinned (see GET /status)",
+                    f"the server {what}; the park may still complete, and then the request stays parked and pinned "
+                    f"(see GET /status)",
                     retry_after_s=1.0,
                 ) from None
             self._parked(park, Reason.MANUAL, time.perf_counter() - t0, fields, pin=True, requested=cmd.mode)
@@ -689,8 +738,8 @@ class ControlLoop:
         self.state.history[task] = replace(old, pinned=False)
         t0 = time.perf_counter()
         try:
-            timeout_s = self._busy(self.action_timeout_s(slot.park.bytes))
-            resume = await self.client.resume(slot.id, task, timeout_s=timeout_s)
+            timeout_s = self.action_timeout_s(slot.park.bytes)
+            resume = await self._timed(self.client.resume(slot.id, task, timeout_s=timeout_s), timeout_s, action=True)
         except UpstreamError as e:
             self._action_failed("resume", e, fields)
             raise _manual_error(e) from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import IO
+from typing import IO, Any
 
 import structlog
 
@@ -73,19 +74,31 @@ class SupervisorStatus:
 
 
 _PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
 
 
-def die_with_parent() -> None:
-    """Run in the child between fork and exec (Linux): the kernel sends it SIGKILL when kvctl dies, however it dies
-    (kill -9, the OOM killer), so a spawned server is never orphaned holding its GPU and port. The signal is tied to
-    the forking thread: kvctl forks from its event loop's thread, which lives as long as kvctl."""
-    if _LIBC is None:
+def _resolve_prctl() -> Any:
+    """prctl, looked up once in kvctl: a symbol lookup after fork could take the dynamic loader's lock that another
+    thread of kvctl held at the fork."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _resolve_prctl()
+
+
+def die_with_parent(parent: int) -> None:
+    """Run in the child between fork and exec (Linux), with kvctl's pid: the kernel sends the child SIGKILL when kvctl
+    dies, however it dies (kill -9, the OOM killer), so a spawned server is never orphaned holding its GPU and port.
+    The signal is tied to the forking thread: kvctl forks from its event loop's thread, which lives as long as kvctl.
+    Only a system call runs here."""
+    if _PRCTL is None:
         return
-    parent = os.getppid()
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # kvctl died before the prctl: nothing would send the signal
-        os._exit(1)
+    if _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        os._exit(1)  # no signal would come (or kvctl died before the prctl): do not start an orphan
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
@@ -196,7 +209,7 @@ class Supervisor:
                 stderr=asyncio.subprocess.STDOUT if out is not None else None,
                 start_new_session=True,
                 env=env,
-                preexec_fn=die_with_parent,  # a prctl between fork and exec, see die_with_parent()
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),  # a prctl, see die_with_parent()
             )
         except OSError as e:
             log.error("supervisor.spawn_failed", argv0=self._argv[0], error=str(e))

@@ -210,11 +210,11 @@ class KvSnapshot(_Shape):
     """The server's host memory available without swapping (MemAvailable); None: unknown."""
     park_rates: ParkRates = ParkRates()
     park_arena: ParkArena | None = None
+    """The host memory the server keeps for snapshots; None: an older server."""
     server: ServerIdentity | None = None
     """None: an older server, which does not say (a restart is then told by the server going away)."""
     devices: tuple[Device, ...] | None = None
     """None: an older server, which does not say; (): a CPU build."""
-    """The host memory the server keeps for snapshots; None: an older server."""
     auto_park: bool = False
     auto_resume_ratio: float | None = None
     lease: Lease | None = None

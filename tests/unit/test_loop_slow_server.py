@@ -216,3 +216,57 @@ def test_the_failure_counters_have_their_series_from_the_start() -> None:
     pm = ProxyMetrics(CollectorRegistry())
     for stage in STREAM_ERROR_STAGES:
         assert pm.registry.get_sample_value("kvctl_proxy_stream_errors_total", {"stage": stage}) == 0
+
+
+async def test_a_park_longer_than_half_the_lease_keeps_the_lease_through_health(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    s = load_settings(
+        overrides={
+            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05},
+            "upstream": {"timeout_s": 0.2, "lease_s": 0.6},
+        }
+    )
+    fake.kv = pressured()
+    fake.queue("POST park", Reply(body=park_answer(2, 3).body, delay_s=1.0))
+    loop = make_loop(client, s)
+    assert await loop.step()
+    assert loop.state.parks == 1
+    renewals = [x for x in fake.seen if x.path == "/health" and x.headers.get("X-Park-Lease") == "1"]
+    assert len(renewals) >= 3, "a 1 s park with a 0.6 s lease: /health every 0.2 s keeps it"
+    n = len(fake.seen)
+    assert await loop.step() and not [x for x in fake.seen[n:] if x.path == "/health"], "short calls need no keeper"
+
+
+async def test_a_new_boot_id_forgets_what_the_loop_knew_and_a_failed_poll_does_not(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    loop = make_loop(client, settings())
+    fake.kv = {**pressured(), "server": {"boot_id": "a" * 16, "t_start_ms": NOW}}
+    assert await loop.step()
+    assert 3 in loop.state.history
+    fake.queue("GET /kv", Reply(drop=True), Reply(drop=True))
+    assert not await loop.step()
+    assert not loop.state.upstream_up
+    fake.kv = {**pressured(), "server": {"boot_id": "a" * 16, "t_start_ms": NOW}}
+    fake.kv["slots"][2]["state"] = "parked"
+    assert await loop.step()
+    assert 3 in loop.state.history, "the same process answered again: nothing to forget"
+    fake.kv = {**pressured(), "server": {"boot_id": "b" * 16, "t_start_ms": NOW}}
+    with capture_logs() as logs:
+        assert await loop.step()
+    assert any(e["event"] == "loop.forget" for e in logs), "a new process: its task ids start again"
+    assert loop.state.history.get(3) is None or loop.state.history[3].parks <= 1
+
+
+async def test_the_hang_check_counts_silence_from_the_end_of_a_long_action(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    fake.kv = pressured()
+    fake.queue("POST park", Reply(body=park_answer(2, 3).body, delay_s=0.5))
+    loop = make_loop(client, settings())
+    assert await loop.step()
+    end = loop.state.last_action_end_monotonic
+    assert end is not None and loop.state.last_answer_monotonic is not None
+    assert end > loop.state.last_answer_monotonic, "the park ended after the poll's answer"
+    assert loop.state.busy_until_monotonic == 0.0 and not loop.stalled(30), "no call in flight, a fresh heartbeat"
