@@ -522,12 +522,20 @@ def panels() -> list[Panel]:
     L.add(
         timeseries(
             "GPU memory",
-            "Device memory used and free per GPU (NVML); empty without a GPU. Free memory under "
-            "policy.gpu_free_floor_mib holds restores back.",
-            ["kvctl_gpu_memory_used_bytes", "kvctl_gpu_memory_free_bytes"],
+            "Memory of each device the server runs on: used, free, the server's own buffers and everything "
+            "else's; empty on a CPU build. Others taking memory since the server started, with less than "
+            "policy.gpu_headroom_mib free, holds restores and admissions back (docs/gpu.md).",
             [
-                (f"kvctl_gpu_memory_used_bytes{{{R}}}", "{{replica}} gpu {{gpu}} used"),
-                (f"kvctl_gpu_memory_free_bytes{{{R}}}", "{{replica}} gpu {{gpu}} free"),
+                "kvctl_gpu_memory_used_bytes",
+                "kvctl_gpu_memory_free_bytes",
+                "kvctl_gpu_memory_server_bytes",
+                "kvctl_gpu_memory_others_bytes",
+            ],
+            [
+                (f"kvctl_gpu_memory_used_bytes{{{R}}}", "{{replica}} {{gpu}} used"),
+                (f"kvctl_gpu_memory_free_bytes{{{R}}}", "{{replica}} {{gpu}} free"),
+                (f"kvctl_gpu_memory_server_bytes{{{R}}}", "{{replica}} {{gpu}} server"),
+                (f"kvctl_gpu_memory_others_bytes{{{R}}}", "{{replica}} {{gpu}} others"),
             ],
             "bytes",
         ),

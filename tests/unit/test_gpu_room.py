@@ -8,11 +8,9 @@ does. That the real CPU server reports none is tested by the series (tools/serve
 from __future__ import annotations
 
 import types
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from controller.gpu_room import normalize_bus_id
@@ -81,20 +79,6 @@ def server_device(free: int, buffers: int = 130 * GiB, total: int = 140 * GiB) -
         "memory_total_bytes": total,
         "buffers_bytes": buffers,
     }
-
-
-@pytest.fixture
-def fake() -> FakeLlamaServer:
-    return FakeLlamaServer()
-
-
-@pytest.fixture
-async def client(fake: FakeLlamaServer) -> AsyncIterator[UpstreamClient]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    async with UpstreamClient(str(server.make_url("")), timeout_s=0.5) as c:
-        yield c
-    await server.close()
 
 
 def make_loop(client: UpstreamClient, nvml: FakeNvml | None) -> ControlLoop:

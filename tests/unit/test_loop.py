@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -48,20 +46,6 @@ def pressured() -> dict[str, Any]:
             {"state": "generating", "n_cells": 150, "id_task": 3, "t_arrival_ms": 3},
         ],
     )
-
-
-@pytest.fixture
-def fake() -> FakeLlamaServer:
-    return FakeLlamaServer()
-
-
-@pytest.fixture
-async def client(fake: FakeLlamaServer) -> AsyncIterator[UpstreamClient]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    async with UpstreamClient(str(server.make_url("")), timeout_s=0.5) as c:
-        yield c
-    await server.close()
 
 
 def make_loop(client: UpstreamClient, s: Settings | None = None) -> ControlLoop:

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -34,20 +33,6 @@ def settings(**upstream: Any) -> Settings:
             "upstream": {"timeout_s": 0.3, **upstream},
         }
     )
-
-
-@pytest.fixture
-def fake() -> FakeLlamaServer:
-    return FakeLlamaServer()
-
-
-@pytest.fixture
-async def client(fake: FakeLlamaServer) -> AsyncIterator[UpstreamClient]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    async with UpstreamClient(str(server.make_url("")), timeout_s=0.3) as c:
-        yield c
-    await server.close()
 
 
 def make_loop(client: UpstreamClient, s: Settings) -> ControlLoop:

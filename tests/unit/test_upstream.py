@@ -21,17 +21,10 @@ from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
 
 
 @pytest.fixture
-def fake() -> FakeLlamaServer:
-    return FakeLlamaServer()
-
-
-@pytest.fixture
-async def client(fake: FakeLlamaServer) -> AsyncIterator[UpstreamClient]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    async with UpstreamClient(str(server.make_url("")), api_key=SecretStr("k3y"), timeout_s=0.5) as c:
+async def client(fake_url: str) -> AsyncIterator[UpstreamClient]:
+    """A client with an API key (the shared fake and its URL come from conftest.py)."""
+    async with UpstreamClient(fake_url, api_key=SecretStr("k3y"), timeout_s=0.5) as c:
         yield c
-    await server.close()
 
 
 async def test_kv_is_parsed_and_every_request_holds_the_lease(fake: FakeLlamaServer, client: UpstreamClient) -> None:
