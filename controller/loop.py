@@ -248,6 +248,22 @@ class ControlLoop:
                 with contextlib.suppress(asyncio.CancelledError):
                     await keeper
 
+    async def _poll_kv(self) -> KvSnapshot:
+        """GET /kv within the poll's timeout (poll_timeout_s())."""
+        timeout_s = self.poll_timeout_s()
+        self._next_poll_timeout_s = 0.0
+        return await self._timed(self.client.get_kv(timeout_s=timeout_s), timeout_s, action=False)
+
+    async def _park_slot(self, slot: int, id_task: int, mode: ParkMode | None) -> ParkResult:
+        """Park within the timeout its snapshot calls for (action_timeout_s())."""
+        timeout_s = self.action_timeout_s(self._action_bytes(slot))
+        return await self._timed(self.client.park(slot, id_task, mode, timeout_s=timeout_s), timeout_s, action=True)
+
+    async def _resume_slot(self, slot: int, id_task: int) -> ResumeResult:
+        """Resume within the timeout its snapshot calls for (action_timeout_s())."""
+        timeout_s = self.action_timeout_s(self._action_bytes(slot))
+        return await self._timed(self.client.resume(slot, id_task, timeout_s=timeout_s), timeout_s, action=True)
+
     async def _keep_lease(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
@@ -343,9 +359,7 @@ class ControlLoop:
             self._forget_pending = False
         asked = time.monotonic()
         try:
-            timeout_s = self.poll_timeout_s()
-            self._next_poll_timeout_s = 0.0
-            kv = await self._timed(self.client.get_kv(timeout_s=timeout_s), timeout_s, action=False)
+            kv = await self._poll_kv()
         except UpstreamError as e:
             if not isinstance(e, UpstreamUnavailable):
                 self.state.last_answer_monotonic = time.monotonic()
@@ -537,10 +551,8 @@ class ControlLoop:
         """Park as the policy chose; a swap the server cannot hold now (503: its snapshot arena cannot grow, host
         memory ran short) becomes a park by recompute, since the request must still give up its cells."""
         mode = self._wire_mode(a)
-        timeout_s = self.action_timeout_s(self._action_bytes(a.slot))
         try:
-            call = self.client.park(a.slot, a.id_task, mode, timeout_s=timeout_s)
-            return await self._timed(call, timeout_s, action=True)
+            return await self._park_slot(a.slot, a.id_task, mode)
         except UpstreamApiError as e:
             kv = self.state.snapshot
             modes = kv.park_modes if kv is not None else None
@@ -548,8 +560,7 @@ class ControlLoop:
                 raise
             log.warning("park.swap_refused", **fields, error=e.message)
             fields["mode"] = str(ParkMode.RECOMPUTE)
-            call = self.client.park(a.slot, a.id_task, ParkMode.RECOMPUTE, timeout_s=timeout_s)
-            return await self._timed(call, timeout_s, action=True)
+            return await self._park_slot(a.slot, a.id_task, ParkMode.RECOMPUTE)
 
     async def _carry_out(self, a: Action) -> bool:
         fields: dict[str, object] = {
@@ -569,9 +580,7 @@ class ControlLoop:
             if a.kind is ActionKind.PARK:
                 park = await self._park(a, fields)
             else:
-                timeout_s = self.action_timeout_s(self._action_bytes(a.slot))
-                call = self.client.resume(a.slot, a.id_task, timeout_s=timeout_s)
-                resume = await self._timed(call, timeout_s, action=True)
+                resume = await self._resume_slot(a.slot, a.id_task)
         except UpstreamError as e:
             self._action_failed(str(a.kind), e, fields)
             return False
@@ -653,8 +662,7 @@ class ControlLoop:
             return True
         # without a proxy to end its stream, resume it alone: the server's own context limit then ends it
         try:
-            timeout_s = self.action_timeout_s(self._action_bytes(a.slot))
-            await self._timed(self.client.resume(a.slot, a.id_task, timeout_s=timeout_s), timeout_s, action=True)
+            await self._resume_slot(a.slot, a.id_task)
         except UpstreamError as e:
             self._action_failed("resume", e, fields)
             return False
@@ -679,8 +687,7 @@ class ControlLoop:
 
     async def _manual(self, cmd: _Command) -> ManualResult:
         try:
-            timeout_s = self.poll_timeout_s()
-            kv = await self._timed(self.client.get_kv(timeout_s=timeout_s), timeout_s, action=False)
+            kv = await self._poll_kv()
         except UpstreamError as e:
             self._down(e)
             raise ManualError(503, f"upstream down: {e}", retry_after_s=1.0) from None
@@ -708,10 +715,8 @@ class ControlLoop:
             # poll keeps the pin if it did (see _up())
             self.state.history[task] = replace(old, pinned=True)
             t0 = time.perf_counter()
-            timeout_s = self.action_timeout_s(self._action_bytes(slot.id))
             try:
-                call = self.client.park(slot.id, task, cmd.mode, timeout_s=timeout_s)
-                park = await self._timed(call, timeout_s, action=True)
+                park = await self._park_slot(slot.id, task, cmd.mode)
             except UpstreamError as e:
                 self._action_failed("park", e, fields)
                 if isinstance(e, UpstreamApiError):
@@ -722,7 +727,8 @@ class ControlLoop:
                         self.state.history.pop(task, None)
                     raise _manual_error(e) from None
                 self._unconfirmed_pins.add(task)
-                what = f"did not answer the park in {timeout_s:g} s" if isinstance(e, UpstreamUnavailable) else str(e)
+                waited = f"did not answer the park in {self._last_action_timeout_s:g} s"
+                what = waited if isinstance(e, UpstreamUnavailable) else str(e)
                 raise ManualError(
                     504,
                     f"the server {what}; the park may still complete, and then the request stays parked and pinned "
@@ -738,8 +744,7 @@ class ControlLoop:
         self.state.history[task] = replace(old, pinned=False)
         t0 = time.perf_counter()
         try:
-            timeout_s = self.action_timeout_s(slot.park.bytes)
-            resume = await self._timed(self.client.resume(slot.id, task, timeout_s=timeout_s), timeout_s, action=True)
+            resume = await self._resume_slot(slot.id, task)
         except UpstreamError as e:
             self._action_failed("resume", e, fields)
             raise _manual_error(e) from None
