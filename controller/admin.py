@@ -13,7 +13,8 @@ A park goes by the server's choice of mode (swap when the snapshot fits its ``--
 unless ``?mode=swap`` or ``?mode=recompute`` asks for one; an explicit swap that does not fit is the server's 503.
 
 With ``admin.token`` set, every route but the two probes needs ``Authorization: Bearer TOKEN``.
-Errors use the OpenAI envelope and ``X-Kvctl-Origin: kvctl``, so they are told apart from the server's.
+Errors use the OpenAI envelope, ``code`` being kvctl's reason code, with ``X-Kvctl-Error: <code>`` (and, for one
+more release, ``X-Kvctl-Origin: kvctl``), so they are told apart from the server's (controller.errors).
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from controller.admin_models import ManualAction, Status
+from controller.errors import ORIGIN_HEADER, Code, KvctlError, admin_error_response
 from controller.httputil import unsupported_expect
-from controller.loop import ControlLoop, ManualAction, ManualError
+from controller.loop import ControlLoop
 from controller.metrics import kvctl_version
 from controller.policy import PolicyConfig
 from controller.settings import Settings
-from controller.status import Status, build_status
+from controller.status import build_status
 from controller.supervisor import Supervisor, SupervisorState
 from controller.upstream import ParkMode, SlotState
 
@@ -40,20 +43,7 @@ __all__ = ["Readiness", "make_admin_app"]
 
 log = structlog.get_logger("kvctl.admin")
 
-ORIGIN = {"X-Kvctl-Origin": "kvctl"}
 LOOP_STALL_S = 30.0  # an iteration takes a few polls' timeouts plus the longest back-off, or a park's own timeout
-
-
-def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> web.Response:
-    etype = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
-        status, "invalid_request_error" if 400 <= status < 500 else "server_error"
-    )
-    headers = dict(ORIGIN)
-    if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    return web.json_response(
-        {"error": {"message": message, "type": etype, "param": None, "code": code}}, status=status, headers=headers
-    )
 
 
 @dataclass(slots=True)
@@ -207,7 +197,8 @@ def make_admin_app(
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}", "http_" + str(e.status))
+            message = f"{request.method} {request.path}: {e.reason}"
+            resp = admin_error_response(e.status, message, "http_" + str(e.status))
             if "Allow" in e.headers:
                 resp.headers["Allow"] = e.headers["Allow"]
             return resp
@@ -218,7 +209,7 @@ def make_admin_app(
             # surrogateescape: a header that is not UTF-8 must fail the comparison, not the handler
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {token}".encode()):
-                return error_response(401, "a bearer token is required", "unauthorized")
+                return admin_error_response(401, "a bearer token is required", Code.UNAUTHORIZED)
         return await handler(request)
 
     app = web.Application(middlewares=[envelope, auth])
@@ -247,7 +238,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     value = await unsupported_expect(request)
     if value is None:
         return None
-    return error_response(417, f"unsupported Expect header {value!r}", "expectation_failed")
+    return admin_error_response(417, f"unsupported Expect header {value!r}", Code.EXPECTATION_FAILED)
 
 
 async def _no_route(request: web.Request) -> web.StreamResponse:
@@ -283,19 +274,19 @@ async def _manual(request: web.Request) -> web.StreamResponse:
     admin = request.app[_ADMIN]
     raw = request.match_info["id"]
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:  # str.isdigit() also takes '①' and '٣'
-        return error_response(400, f"invalid slot id {raw!r}: expected a non-negative integer", "invalid_slot")
+        return admin_error_response(400, f"invalid slot id {raw!r}: expected a non-negative integer", Code.INVALID_SLOT)
     action = ManualAction.PARK if request.path.endswith("/park") else ManualAction.RESUME
     mode: ParkMode | None = None
     if "mode" in request.query:
         raw_mode = request.query["mode"]
         if action is not ManualAction.PARK or raw_mode not in {m.value for m in ParkMode}:
             message = f"invalid mode {raw_mode!r}: a park takes {', '.join(ParkMode)}"
-            return error_response(400, message, "invalid_mode")
+            return admin_error_response(400, message, Code.INVALID_MODE)
         mode = ParkMode(raw_mode)
     try:
         result = await admin.loop.manual(action, int(raw), mode=mode)
-    except ManualError as e:
-        log.warning("manual.failed", action=str(action), slot=int(raw), status=e.status, error=str(e))
-        return error_response(e.status, str(e), "manual_" + str(action) + "_failed", e.retry_after_s)
+    except KvctlError as e:
+        log.warning("manual.failed", action=str(action), slot=int(raw), status=e.status, code=e.code, error=e.message)
+        return admin_error_response(e.status, e.message, e.code, e.retry_after_s)
     log.info("manual.done", action=str(action), slot=result.slot, id_task=result.id_task, pinned=result.pinned)
-    return web.json_response({**asdict(result), "action": str(result.action)}, headers=ORIGIN)
+    return web.json_response(result.model_dump(mode="json"), headers={ORIGIN_HEADER: "kvctl"})

@@ -24,9 +24,8 @@ import structlog
 from prometheus_client import disable_created_metrics
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from controller.loop import ManualResult
+from controller.admin_models import GpuDeviceView, ManualResult, PoolView, SlotView, Status
 from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
-from controller.status import GpuDeviceView, PoolView, SlotView, Status
 from controller.upstream import ParkMode
 
 __all__ = ["main", "render_status"]

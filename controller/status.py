@@ -1,170 +1,27 @@
-"""The status model: what ``GET /status`` answers and ``kvctl status`` prints, built from the
-loop's and the supervisor's state. Data only; rendering is the caller's."""
+"""Build the status (controller.admin_models.Status: what ``GET /status`` answers and ``kvctl status`` prints) from
+the loop's and the supervisor's state. Data only; rendering is the caller's."""
 
 from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, ConfigDict
-
-from controller.loop import LoopState
+from controller.admin_models import (
+    ExitView,
+    GpuDeviceView,
+    LoopView,
+    PoolView,
+    SlotView,
+    Status,
+    SupervisorView,
+    UpstreamView,
+)
 from controller.policy import PolicyConfig, pressure
 from controller.probes.gpu import GpuState
+from controller.state import LoopState
 from controller.supervisor import SupervisorState, SupervisorStatus
 from controller.upstream import SlotState
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "GpuDeviceView",
-    "LoopView",
-    "PoolView",
-    "SlotView",
-    "Status",
-    "SupervisorView",
-    "UpstreamView",
-    "build_status",
-    "upstream_state",
-]
-
-SCHEMA_VERSION = 3
-"""2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
-``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
-3: added the slots' ``park_mode`` and ``recomputing``."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class UpstreamView(_Model):
-    url: str
-    state: str
-    """``up``, ``down``, or with ``--spawn`` the supervised server's ``loading``, ``restarting``, ``stopped``."""
-    up: bool
-    last_error: str | None
-    polls: int
-    last_poll_age_s: float | None
-    backoff_s: float | None
-    lease_held: bool | None
-
-
-class ExitView(_Model):
-    returncode: int
-    at_unix: float
-    early: bool
-    uptime_s: float
-
-
-class SupervisorView(_Model):
-    state: str
-    pid: int | None
-    starts: int
-    restarts: int
-    ready_since_unix: float | None
-    next_start_in_s: float | None
-    last_exit: ExitView | None
-
-
-class PoolView(_Model):
-    n_cells: int
-    n_cells_used: int
-    used_ratio: float
-    projected_target: float
-    projected_draft: float | None
-    pressure: float
-    high: float
-    low: float
-    max_pressure: float
-    """The largest pressure seen at a poll since kvctl started."""
-    max_growth: float
-    """The largest rise of the pressure within one poll interval."""
-    above_high_s: float | None
-    """Seconds the pressure has stayed at or above HIGH without a poll below it; None while below."""
-    n_parked: int
-    parked_bytes: int
-    parked_budget_bytes: int
-    """What parked snapshots may hold: the smaller of policy.snapshot_budget_mib and the server's --park-ram."""
-
-
-class SlotView(_Model):
-    id: int
-    id_task: int | None
-    state: str
-    n_cells: int
-    """Resident cells; for a parked request, the cells its resume needs."""
-    age_s: float | None
-    """Seconds since its request arrived; None for an idle slot."""
-    n_decoded: int
-    """Tokens generated so far for its request."""
-    park_count: int
-    parked_since_ms: int | None
-    waited_s: float | None
-    pinned: bool
-    auto_parked: bool
-    park_mode: str | None = None
-    """``swap`` or ``recompute`` for a parked request (or one evaluating its tokens again); None otherwise."""
-    recomputing: bool = False
-    """Resumed after a recompute park, evaluating its tokens again."""
-
-
-class LoopView(_Model):
-    alive: bool
-    heartbeat_age_s: float
-    restarts: int
-    parks: int
-    resumes: int
-    ends: int
-    action_failures: int
-
-
-class GpuDeviceView(_Model):
-    """A device the server runs on (it names them in /kv), its memory by NVML where kvctl sees it (matched by PCI bus
-    id), else by the server's backend."""
-
-    index: int
-    name: str | None
-    used_bytes: int | None
-    """None where the device does not report it."""
-    free_bytes: int | None
-    total_bytes: int | None
-    server_bytes: int | None = None
-    """The server's own buffers on it."""
-    others_bytes: int | None = None
-    """Everything else on it: other processes and the driver."""
-    others_growth_bytes: int | None = None
-    """How much others took since the server started: what can hold restores and admissions back."""
-    device_id: str | None = None
-    source: str | None = None
-    """``nvml`` or ``server``."""
-
-
-class Status(_Model):
-    schema_version: int = SCHEMA_VERSION
-    version: str
-    uptime_s: float
-    """Seconds since kvctl's admin listener started."""
-    ready: bool
-    """Upstream up and the pool not saturated (with hysteresis): what ``/readyz`` answers."""
-    degraded: bool
-    """Upstream down, the supervised server loading or restarting, the control loop stalled, or the pressure at
-    or above HIGH for longer than admin.degraded_after_s: what ``kvctl status`` exits 1 for. Crossing HIGH is
-    normal operation, and so is a saturated (not ready) pool the policy is working through."""
-    problems: list[str]
-    """What is wrong, in words: why it is not ready or degraded; empty when neither."""
-    upstream: UpstreamView
-    supervisor: SupervisorView | None
-    pool: PoolView | None
-    slots: list[SlotView]
-    loop: LoopView
-    host_available_bytes: int | None
-    host_total_bytes: int | None
-    gpu: str
-    """``ok`` when the server reports the devices it runs on, ``absent`` when it runs on none (a CPU build, or an
-    older server that does not say), ``error`` when NVML failed to read them."""
-    gpu_devices: list[GpuDeviceView]
-    gpu_held: str | None = None
-    """Why restores and admissions wait for GPU memory (others took memory since the server started); None if not."""
-
+__all__ = ["build_status", "upstream_state"]
 
 _SUPERVISED_STATE = {
     SupervisorState.STARTING: "loading",

@@ -34,6 +34,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from yarl import URL
 
+from controller.errors import Code, proxy_error_object, proxy_error_response
 from controller.httputil import unsupported_expect
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
 from controller.proxy.auth import PUBLIC_PATHS, UNAUTHORIZED_BODY, Answer, ApiKey, Identity, KeyRing, ServerCheck
@@ -66,19 +67,6 @@ QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 DRAIN_GRACE_S = 2.0
 # the server's limit on a request body (cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH)
 SERVER_MAX_BODY_BYTES = 100 * 1024 * 1024
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    417: "invalid_request_error",
-    500: "server_error",
-    501: "not_supported_error",
-    503: "unavailable_error",
-    504: "unavailable_error",
-}
 
 
 @dataclass(frozen=True)
@@ -282,33 +270,9 @@ def brackets_balanced(body: bytes) -> bool:
     return ended
 
 
-def error_object(status: int, message: str, code: str) -> dict[str, Any]:
-    """The server's error object ({code, message, type}), marked as kvctl's: the message starts with ``kvctl:``
-    and ``kvctl_code`` names the reason."""
-    return {
-        "code": status,
-        "message": f"kvctl: {message}",
-        "type": ERROR_TYPES.get(status, "server_error"),
-        "kvctl_code": code,
-    }
-
-
-def error_body(status: int, message: str, code: str) -> dict[str, Any]:
-    return {"error": error_object(status, message, code)}
-
-
-def error_response(
-    status: int, message: str, code: str, retry_after: int | None = None, headers: dict[str, str] | None = None
-) -> web.Response:
-    h = {"X-Kvctl-Error": code, **(headers or {})}
-    if retry_after is not None:
-        h["Retry-After"] = str(retry_after)
-    return web.json_response(error_body(status, message, code), status=status, headers=h)
-
-
 def error_event(route: Route | None, status: int, message: str, code: str) -> bytes:
     """An error inside an SSE stream, framed as the server frames one on that route."""
-    return frame_error(route, error_object(status, message, code))
+    return frame_error(route, proxy_error_object(status, message, code))
 
 
 def frame_error(route: Route | None, err: dict[str, Any]) -> bytes:
@@ -491,7 +455,7 @@ class Proxy:
     ) -> web.Response:
         known = self.routes.lookup(request.method, request.path) is not None
         self.count(request.path if known else "other", status)
-        return error_response(status, message, code, retry_after, await self.cors_headers(request))
+        return proxy_error_response(status, message, code, retry_after, await self.cors_headers(request))
 
     async def unauthorized(self, request: web.Request) -> web.Response:
         self.metrics.auth_failures.inc()
@@ -523,7 +487,7 @@ class Proxy:
         if value is None:
             return None
         self.count("other", 417)
-        return error_response(417, f"unsupported Expect header {value!r}", "expectation_failed")
+        return proxy_error_response(417, f"unsupported Expect header {value!r}", Code.EXPECTATION_FAILED)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -541,7 +505,7 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:
             status = 413
             return await self.kvctl_error(
-                request, 413, f"request body larger than {self.config.max_body_bytes} bytes", "body_too_large"
+                request, 413, f"request body larger than {self.config.max_body_bytes} bytes", Code.BODY_TOO_LARGE
             )
         finally:
             self._active.discard(task)
@@ -563,11 +527,11 @@ class Proxy:
         bad = next((k for k, v in request.headers.items() if not is_utf8(v)), None)
         if bad is not None:
             # aiohttp hands such bytes over as surrogates, which no upstream request or response header can carry
-            return await self.kvctl_error(request, 400, f"header {bad!r} is not valid UTF-8", "invalid_header"), None
+            return await self.kvctl_error(request, 400, f"header {bad!r} is not valid UTF-8", Code.INVALID_HEADER), None
         if has_dot_segments(path):
             # the upstream URL is normalized on the way out: /v1/../kv would reach the server as /kv, past the
             # private-route check below
-            return await self.kvctl_error(request, 400, f"path with dot segments: {path!r}", "invalid_path"), None
+            return await self.kvctl_error(request, 400, f"path with dot segments: {path!r}", Code.INVALID_PATH), None
         if request.method == "OPTIONS":
             # a CORS preflight: browsers send no credentials, and the server answers it before any check
             return await self.relay(request, None, None), None
@@ -575,7 +539,7 @@ class Proxy:
         if route is not None and route.path == "/metrics":
             # kvctl's public metrics (a later issue); the server's llamacpp:* series never leave through the proxy
             return await self.kvctl_error(
-                request, 404, "no route GET /metrics on the public listener", "not_found"
+                request, 404, "no route GET /metrics on the public listener", Code.NOT_FOUND
             ), None
 
         # --- authentication, before anything else ---
@@ -598,7 +562,7 @@ class Proxy:
                         request,
                         503,
                         f"llama-server is unreachable: {e}",
-                        "upstream_unavailable",
+                        Code.UPSTREAM_UNAVAILABLE,
                         self.config.retry_after_s,
                     ), None
                 if answer.status != 200:
@@ -614,11 +578,11 @@ class Proxy:
 
         if self.draining:
             return await self.kvctl_error(
-                request, 503, "kvctl is shutting down", "shutting_down", self.config.retry_after_s
+                request, 503, "kvctl is shutting down", Code.SHUTTING_DOWN, self.config.retry_after_s
             ), ident
         if route is not None and route.kind is Kind.PRIVATE and not self.config.expose_private_routes:
             return await self.kvctl_error(
-                request, 404, f"no route {request.method} {path} on the public listener", "not_found"
+                request, 404, f"no route {request.method} {path} on the public listener", Code.NOT_FOUND
             ), ident
         if route is not None and route.kind is Kind.GENERATION:
             return await self.generation(request, route, ident), ident
@@ -644,7 +608,7 @@ class Proxy:
             try:
                 payload = json.loads(body)
             except RecursionError:
-                return await self.kvctl_error(request, 400, "request body nested too deeply", "body_too_deep")
+                return await self.kvctl_error(request, 400, "request body nested too deeply", Code.BODY_TOO_DEEP)
             cid = payload.get("id") if isinstance(payload, dict) else None
             if isinstance(cid, str) and cid and not self.owners.owns("cmpl:" + cid, owner):
                 payload["id"] = unowned_id()
@@ -688,7 +652,7 @@ class Proxy:
         conversations = request.headers.getall("X-Conversation-Id", [])
         if len(conversations) > 1:
             # which one the server takes depends on its header map's order: refuse rather than guess
-            return await self.kvctl_error(request, 400, "more than one X-Conversation-Id header", "invalid_header")
+            return await self.kvctl_error(request, 400, "more than one X-Conversation-Id header", Code.INVALID_HEADER)
         conversation = conversations[0] if conversations else ""
         multipart = request.content_type.startswith("multipart/")
         payload: Any = None
@@ -706,7 +670,7 @@ class Proxy:
         predict = route.path == self.config.predict_route
         if predict and (too_deep or (isinstance(payload, dict) and self.predict_refused(payload))):
             return await self.kvctl_error(
-                request, 400, "a predict instance may only target a completion or a relayed route", "invalid_predict"
+                request, 400, "a predict instance may only target a completion or a relayed route", Code.INVALID_PREDICT
             )
         headers = self.upstream_headers(request, request_id, ident, generation=True)
         if not multipart and not too_deep and (not isinstance(payload, dict) or refused_by_server(route.path, payload)):
@@ -716,7 +680,7 @@ class Proxy:
         stream = isinstance(payload, dict) and payload.get("stream", False) is True
         if self.gate.refuse_reason is not None:
             return await self.kvctl_error(
-                request, 503, self.gate.refuse_reason, "upstream_unavailable", self.config.retry_after_s
+                request, 503, self.gate.refuse_reason, Code.UPSTREAM_UNAVAILABLE, self.config.retry_after_s
             )
         owner = ident.name if ident is not None and len(self.keys) > 1 else None
         if conversation and owner is not None:
@@ -724,7 +688,7 @@ class Proxy:
             if current is not None and current != owner:
                 # the server would replace that conversation's stream: another key's chat is not this key's to end
                 return await self.kvctl_error(
-                    request, 409, "this conversation id belongs to another key", "conversation_taken"
+                    request, 409, "this conversation id belongs to another key", Code.CONVERSATION_TAKEN
                 )
             self.owners.set(conversation, owner)
 
@@ -799,9 +763,9 @@ class Proxy:
         try:
             await asyncio.shield(admit)
         except QueueFull as e:
-            raise AdmissionRefused(None, "queue_full") from e
+            raise AdmissionRefused(None, Code.QUEUE_FULL) from e
         except QueueTimeout as e:
-            raise AdmissionRefused(None, "queue_timeout") from e
+            raise AdmissionRefused(None, Code.QUEUE_TIMEOUT) from e
         except asyncio.CancelledError:
             task = asyncio.ensure_future(self._send_orphan(admit, method, path_qs, body, headers))
             self._orphans.add(task)
@@ -859,9 +823,9 @@ class Proxy:
                     try:
                         admit.result()
                     except QueueFull as e:
-                        raise AdmissionRefused(prepared, "queue_full") from e
+                        raise AdmissionRefused(prepared, Code.QUEUE_FULL) from e
                     except QueueTimeout as e:
-                        raise AdmissionRefused(prepared, "queue_timeout") from e
+                        raise AdmissionRefused(prepared, Code.QUEUE_TIMEOUT) from e
                     return prepared
                 if not stream:
                     deadline = float("inf")
@@ -961,9 +925,9 @@ class Proxy:
             log.warning("upstream.unreachable", request_id=request_id, error=str(e))
             message = f"llama-server is unreachable: {e}"
             if prepared is not None:
-                await self.write(request, prepared, error_event(route, 503, message, "upstream_unavailable"))
+                await self.write(request, prepared, error_event(route, 503, message, Code.UPSTREAM_UNAVAILABLE))
                 return prepared
-            return await self.kvctl_error(request, 503, message, "upstream_unavailable", self.config.retry_after_s)
+            return await self.kvctl_error(request, 503, message, Code.UPSTREAM_UNAVAILABLE, self.config.retry_after_s)
         entry.upstream = upstream
         entry.state = "streaming"  # the response has started: from here the read timeout applies
         try:
@@ -1020,10 +984,10 @@ class Proxy:
 
     def end_message(self, reason: str) -> tuple[str, str]:
         if reason == "shutdown":
-            return "kvctl is shutting down; the request was ended", "shutting_down"
+            return "kvctl is shutting down; the request was ended", Code.SHUTTING_DOWN
         return (
             f"llama-server has not answered for {self.config.upstream_read_timeout_s:g} s; the request was ended",
-            "upstream_timeout",
+            Code.UPSTREAM_TIMEOUT,
         )
 
     def error_from_body(self, route: Route | None, status: int, data: bytes) -> bytes:
@@ -1032,7 +996,7 @@ class Proxy:
             if not isinstance(err, dict):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
-            err = error_object(status, f"llama-server answered {status}", "upstream_error")
+            err = proxy_error_object(status, f"llama-server answered {status}", Code.UPSTREAM_ERROR)
         return frame_error(route, err)
 
     async def filter_lookup(
@@ -1041,7 +1005,7 @@ class Proxy:
         """POST /v1/streams/lookup with several keys: only the conversations this key started (a small JSON list)."""
         data = await self._read_all(upstream)
         if data is None:
-            return await self.kvctl_error(request, 502, "llama-server went away mid-answer", "upstream_disconnected")
+            return await self.kvctl_error(request, 502, "llama-server went away mid-answer", Code.UPSTREAM_DISCONNECTED)
         if upstream.status == 200:
             with contextlib.suppress(ValueError, RecursionError):
                 doc = json.loads(data)
@@ -1136,7 +1100,7 @@ class Proxy:
                 if entry is not None and entry.ended.done():
                     message, code = self.end_message(entry.ended.result())
                 else:
-                    message, code = f"llama-server went away mid-stream: {e}", "upstream_disconnected"
+                    message, code = f"llama-server went away mid-stream: {e}", Code.UPSTREAM_DISCONNECTED
                 self.metrics.stream_errors.labels(stage=code).inc()
                 log.warning("stream.ended", request_id=request_id, reason=code, error=str(e))
                 await self.write(request, resp, error_event(route, 502, message, code))

@@ -102,6 +102,10 @@ class ParkRates(_Shape):
     """Host copy rate of swap parks and resumes."""
     prompt_tokens_per_s: float | None = None
     """Evaluation rate of prompts and re-evaluations."""
+    wall_bytes_per_s: float | None = None
+    """Rate of swap parks and resumes from request to answer (patch 23): a sliced copy spans several steps."""
+    step_ms: float | None = None
+    """A decaying peak of the server's main-loop iteration (patch 23): how long a request may wait behind one."""
 
 
 class ParkInfo(_Shape):

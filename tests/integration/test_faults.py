@@ -595,13 +595,13 @@ def test_unexpected_but_well_typed_kv_answers_never_crash_the_loop(
         host=lambda: HostMemory(available_bytes=host if host is not None else 2**40, total_bytes=2**40),
         clock_ms=lambda: now_ms,
     )
-    loop._up(kv)
+    loop.poller._up(kv)
     inp = loop._input(kv)
     inp = PolicyInput(kv=inp.kv, now_ms=inp.now_ms, history=inp.history, host_available_bytes=host, gpu_free_bytes=gpu)
     decision = decide(inp, loop.config)
     ids = {s.id for s in kv.slots}
     assert all(a.slot in ids for a in decision.actions)
-    loop._record_poll(kv, decision)
+    loop.recorder.decision(kv, decision, 0.0)
     admission(inp, loop.config, 512)
     loop.admission(512)
-    loop._max_backoff()
+    loop.poller.max_backoff()

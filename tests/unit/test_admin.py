@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -13,10 +16,10 @@ import structlog
 from aiohttp.test_utils import TestServer
 
 from controller.admin import Readiness
+from controller.admin_models import Status
 from controller.app import App, configure_logging
 from controller.cli import main
 from controller.settings import LogFormat, LogSettings, load_settings
-from controller.status import Status
 from tests.fakes.llama_server import FakeLlamaServer, error, kv_body
 
 
@@ -146,10 +149,28 @@ async def test_manual_park_and_resume_through_the_cli(
     assert await asyncio.to_thread(main, ["park", "0", "--admin", admin]) == 1
     assert "park budget exceeded" in capsys.readouterr().err
     async with aiohttp.ClientSession() as s, s.post(url + "/slots/x/park") as r:
-        assert r.status == 400 and r.headers["X-Kvctl-Origin"] == "kvctl"
-        assert (await r.json())["error"]["type"] == "invalid_request_error"
+        # kvctl's marker with its reason code, and the older marker for one more release
+        assert r.status == 400 and r.headers["X-Kvctl-Error"] == "invalid_slot"
+        assert r.headers["X-Kvctl-Origin"] == "kvctl"
+        assert (await r.json())["error"] == {
+            "message": "invalid slot id 'x': expected a non-negative integer",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_slot",
+        }
     async with aiohttp.ClientSession() as s, s.post(url + "/slots/5/park") as r:
-        assert r.status == 404
+        assert r.status == 404 and r.headers["X-Kvctl-Error"] == (await r.json())["error"]["code"] == "no_such_slot"
+    fake.queue("POST park", error(503, "unavailable_error", "park budget exceeded", retry_after=1))
+    async with aiohttp.ClientSession() as s, s.post(url + "/slots/0/park") as r:
+        assert r.status == 503 and r.headers["X-Kvctl-Error"] == "server_refused" and r.headers["Retry-After"] == "1"
+
+
+def test_the_cli_reads_the_admin_api_s_models_without_importing_the_loop() -> None:
+    code = "import sys, controller.cli; print(sorted(m for m in sys.modules if m.startswith('controller')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = set(ast.literal_eval(out))
+    assert "controller.admin_models" in loaded
+    assert not loaded & {"controller.loop", "controller.poller", "controller.actuator", "controller.status"}, loaded
 
 
 async def test_a_manual_park_may_ask_for_a_mode(

@@ -13,7 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.loop import ControlLoop, ManualAction, ManualError
+from controller.admin_models import ManualAction
+from controller.errors import Code, KvctlError
+from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.probes import HostMemory
 from controller.settings import Settings, load_settings
@@ -221,7 +223,7 @@ def test_a_short_server_lease_caps_the_back_off(fake: FakeLlamaServer) -> None:
 
     loop.state.snapshot = KvSnapshot.model_validate(kv_body(100, lease={"held": True, "ttl_s": 2, "age_ms": 0}))
     with capture_logs() as logs:
-        assert loop._max_backoff() < 1.0
+        assert loop.poller.max_backoff() < 1.0
     assert [e["event"] for e in logs] == ["loop.lease_shorter"]
 
 
@@ -276,14 +278,15 @@ async def test_manual_park_pins_and_manual_resume_unpins(fake: FakeLlamaServer, 
         assert sample(loop, "kvctl_pinned_requests") == 1
         res = await loop.manual(ManualAction.RESUME, 0)
         assert not res.pinned and not loop.state.history[8].pinned
-        with pytest.raises(ManualError) as info:
+        with pytest.raises(KvctlError) as info:
             await loop.manual(ManualAction.PARK, 7)
-        assert info.value.status == 404
+        assert info.value.status == 404 and info.value.code == Code.NO_SUCH_SLOT
         fake.queue("POST park", error(503, "unavailable_error", "park budget exceeded", retry_after=1))
         fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 9, "t_arrival_ms": 1}])
-        with pytest.raises(ManualError) as info:
+        with pytest.raises(KvctlError) as info:
             await loop.manual(ManualAction.PARK, 0)
         assert info.value.status == 503 and info.value.retry_after_s == 1
+        assert info.value.code == Code.SERVER_REFUSED
         assert 9 not in loop.state.history
     finally:
         task.cancel()

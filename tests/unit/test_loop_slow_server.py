@@ -17,7 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.loop import ControlLoop, ManualAction, ManualError
+from controller.admin_models import ManualAction
+from controller.errors import Code, KvctlError
+from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.proxy.app import STREAM_ERROR_STAGES, ProxyMetrics
 from controller.settings import Settings, load_settings
@@ -122,7 +124,7 @@ async def test_a_manual_park_whose_caller_gave_up_does_not_crash_the_loop(
     fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 8, "t_arrival_ms": 1}])
     fake.queue("POST park", Reply(body=park_answer(0, 8).body, delay_s=0.5))
     async with running(loop):
-        with pytest.raises(ManualError) as info:
+        with pytest.raises(KvctlError) as info:
             await loop.manual(ManualAction.PARK, 0, timeout_s=0.1)
         assert info.value.status == 504
         fake.kv = parked_kv()
@@ -143,9 +145,10 @@ async def test_a_manual_park_that_times_out_keeps_its_pin_only_if_the_park_happe
         for happened in (True, False):
             fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 8, "t_arrival_ms": 1}])
             fake.queue("POST park", Reply(body=park_answer(0, 8).body, delay_s=0.6))
-            with pytest.raises(ManualError) as info:
+            with pytest.raises(KvctlError) as info:
                 await loop.manual(ManualAction.PARK, 0, timeout_s=5)
             assert info.value.status == 504 and "may still complete" in str(info.value)
+            assert info.value.code == Code.ACTION_TIMEOUT
             if happened:
                 fake.kv = parked_kv()
             polls = loop.state.polls

@@ -15,10 +15,7 @@ import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.app import App, configure_logging
-from controller.cli import admin_url, main, pool_bar, render_status
-from controller.settings import LogFormat, LogSettings, load_settings
-from controller.status import (
+from controller.admin_models import (
     GpuDeviceView,
     LoopView,
     PoolView,
@@ -27,6 +24,9 @@ from controller.status import (
     SupervisorView,
     UpstreamView,
 )
+from controller.app import App, configure_logging
+from controller.cli import admin_url, main, pool_bar, render_status
+from controller.settings import LogFormat, LogSettings, load_settings
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
 
 GiB = 1024**3

@@ -1,0 +1,138 @@
+"""kvctl's own errors, on both listeners: their reason codes, their bodies and the header that marks them.
+
+Every error kvctl answers itself (not one it relays from the server) carries ``X-Kvctl-Error: <code>``, the
+reason code below, so an operator, a load balancer's log or a client can tell kvctl's answers from the server's
+without reading the body. The bodies differ by listener, each following what its clients expect:
+
+* the proxy answers in the server's own error object (``{"error": {"code", "message", "type"}}``, the shape
+  llama-server's clients already parse), its message starting ``kvctl:`` and with ``kvctl_code``; inside an SSE
+  stream the same object is framed as the server frames an error on that route;
+* the admin API answers in the OpenAI envelope (``{"error": {"message", "type", "param", "code"}}``), ``code``
+  being the reason code; it also sends ``X-Kvctl-Origin: kvctl``, its marker before ``X-Kvctl-Error``, kept for
+  one release (deprecated).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from aiohttp import web
+
+__all__ = [
+    "ERROR_HEADER",
+    "ORIGIN_HEADER",
+    "Code",
+    "KvctlError",
+    "admin_error_response",
+    "error_headers",
+    "openai_envelope",
+    "proxy_error_object",
+    "proxy_error_response",
+]
+
+ERROR_HEADER = "X-Kvctl-Error"
+ORIGIN_HEADER = "X-Kvctl-Origin"
+"""Deprecated: the admin API's marker before ERROR_HEADER; sent for one more release."""
+
+
+class Code(StrEnum):
+    """kvctl's reason codes (the value of ``X-Kvctl-Error``)."""
+
+    # the proxy: the request itself
+    BODY_TOO_LARGE = "body_too_large"
+    BODY_TOO_DEEP = "body_too_deep"
+    INVALID_HEADER = "invalid_header"
+    INVALID_PATH = "invalid_path"
+    INVALID_PREDICT = "invalid_predict"
+    CONVERSATION_TAKEN = "conversation_taken"
+    NOT_FOUND = "not_found"
+    EXPECTATION_FAILED = "expectation_failed"
+    # the proxy: admission and the server
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    SHUTTING_DOWN = "shutting_down"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_DISCONNECTED = "upstream_disconnected"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    """The server answered an error whose body kvctl could not read."""
+    # the admin API
+    UNAUTHORIZED = "unauthorized"
+    INVALID_SLOT = "invalid_slot"
+    INVALID_MODE = "invalid_mode"
+    NO_SUCH_SLOT = "no_such_slot"
+    SLOT_IDLE = "slot_idle"
+    NOT_PARKED = "not_parked"
+    SERVER_REFUSED = "server_refused"
+    """The server refused a park or resume; the answer keeps its status and message."""
+    ACTION_TIMEOUT = "action_timeout"
+    """A park or resume was not answered in time; it may still complete (``GET /status`` tells)."""
+
+
+class KvctlError(Exception):
+    """An error kvctl answers itself: HTTP status, reason code, message, and how long to wait before retrying."""
+
+    def __init__(self, status: int, code: Code | str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = str(code)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+# the server's error types by status (tools/server/server-common.cpp's error_type names)
+_SERVER_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    417: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+    504: "unavailable_error",
+}
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}
+
+
+def error_headers(code: Code | str, retry_after_s: float | None = None) -> dict[str, str]:
+    headers = {ERROR_HEADER: str(code)}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    return headers
+
+
+def proxy_error_object(status: int, message: str, code: Code | str) -> dict[str, Any]:
+    """The server's error object ({code, message, type}), marked as kvctl's: the message starts with ``kvctl:``
+    and ``kvctl_code`` names the reason."""
+    return {
+        "code": status,
+        "message": f"kvctl: {message}",
+        "type": _SERVER_TYPES.get(status, "server_error"),
+        "kvctl_code": str(code),
+    }
+
+
+def proxy_error_response(
+    status: int,
+    message: str,
+    code: Code | str,
+    retry_after_s: float | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    h = {**error_headers(code, retry_after_s), **(headers or {})}
+    return web.json_response({"error": proxy_error_object(status, message, code)}, status=status, headers=h)
+
+
+def openai_envelope(status: int, message: str, code: Code | str) -> dict[str, Any]:
+    etype = _OPENAI_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": etype, "param": None, "code": str(code)}}
+
+
+def admin_error_response(
+    status: int, message: str, code: Code | str, retry_after_s: float | None = None
+) -> web.Response:
+    headers = {**error_headers(code, retry_after_s), ORIGIN_HEADER: "kvctl"}
+    return web.json_response(openai_envelope(status, message, code), status=status, headers=headers)
