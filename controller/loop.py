@@ -34,7 +34,7 @@ from controller.policy import (
     admission,
     decide,
 )
-from controller.poller import Poller
+from controller.poller import Clock, Poller
 from controller.probes import GpuProbe, HostMemory, read_host_memory
 from controller.recorder import Recorder
 from controller.settings import Settings
@@ -77,6 +77,7 @@ class ControlLoop:
         host: Callable[[], HostMemory] = read_host_memory,
         clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         on_end: Callable[[int, int], Awaitable[bool]] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
@@ -85,7 +86,7 @@ class ControlLoop:
         self.state = LoopState()
         self.calls = ServerCalls(client, self.state, settings.upstream.lease_s)
         self.recorder = Recorder(self.state, metrics, self.config, clock_ms)
-        self.poller = Poller(settings, self.state, self.calls, self.recorder)
+        self.poller = Poller(settings, self.state, self.calls, self.recorder, clock)
         self.actuator = Actuator(settings.upstream, self.state, self.calls, self.poller, self.recorder, on_end)
         self._gpu = gpu
         self._gpu_read_at = -GPU_READ_INTERVAL_S

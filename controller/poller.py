@@ -5,8 +5,9 @@
   ``loop.backoff_max_s``, never longer than half the server's lease (past it, the server would take its parked
   requests back from a controller it thinks is gone).
 * Timeout: the server answers between two batches, so a poll may wait behind the longest batch it may run: the
-  server's published step time (patch 23), else the next step's cells at its measured prompt rate; the poll right
-  after an action that timed out waits as long as that action could have (wait_longer()).
+  longer of the server's published step time (patch 23) and the next step's cells at its measured prompt rate,
+  twice over, within ``upstream.poll_timeout_max_s``; the poll right after an action that timed out waits as long
+  as that action could have (wait_longer()).
 * Identity: a server that names its boot (patch 21) is a new process when the name changes, and what the loop knew
   of its tasks is forgotten then (their ids start again); only polls, and only after their own timeout, mark the
   server down. A server that does not name itself is taken as restarted when it comes back after being down.
@@ -19,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Protocol
 
 import structlog
 
@@ -28,14 +30,41 @@ from controller.settings import Settings
 from controller.state import LoopState
 from controller.upstream import KvSnapshot, SlotState, UpstreamError, UpstreamUnavailable
 
-__all__ = ["Poller"]
+__all__ = ["Clock", "MonotonicClock", "Poller"]
 
 log = structlog.get_logger("kvctl.loop")
 
 
+class Clock(Protocol):
+    """The poller's sense of time: a monotonic clock, and a wait that a wake-up cuts short (tests use a fake)."""
+
+    def monotonic(self) -> float: ...
+
+    async def wait(self, wake: asyncio.Event, timeout_s: float) -> None:
+        """Return when ``wake`` is set or after timeout_s, whichever comes first."""
+        ...
+
+
+class MonotonicClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def wait(self, wake: asyncio.Event, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout_s)
+
+
 class Poller:
-    def __init__(self, settings: Settings, state: LoopState, calls: ServerCalls, recorder: Recorder) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        state: LoopState,
+        calls: ServerCalls,
+        recorder: Recorder,
+        clock: Clock | None = None,
+    ) -> None:
         self.settings = settings
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
         self.state = state
         self.calls = calls
         self.recorder = recorder
@@ -76,22 +105,21 @@ class Poller:
         """Call iteration() at the cadence above, forever; pending() says that work is queued (no wait then)."""
         backoff: float | None = None
         while True:
-            t0 = time.monotonic()
-            self.state.heartbeat_monotonic = t0
+            t0 = self.clock.monotonic()
+            self.state.heartbeat_monotonic = time.monotonic()
             # cleared before the iteration: a poll_soon() while it runs wakes the next wait at once
             self.wake.clear()
             ok = await iteration()
             self.state.heartbeat_monotonic = time.monotonic()  # a long step is over: the wait that follows is none
             if ok:
                 backoff = None
-                delay = max(0.0, self.settings.loop.poll_interval_s - (time.monotonic() - t0))
+                delay = max(0.0, self.settings.loop.poll_interval_s - (self.clock.monotonic() - t0))
             else:
                 backoff = self.next_backoff(backoff)
                 delay = backoff
             self.state.backoff_s = backoff
             if not pending():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), delay)
+                await self.clock.wait(self.wake, delay)
 
     # --- one poll --------------------------------------------------------------------------------
 
@@ -102,11 +130,13 @@ class Poller:
         kv = self.state.snapshot
         batch_s = 0.0
         if kv is not None:
+            # the step time decays over iterations that only copy a park's slices (microseconds each): the next
+            # step's batch at the prompt rate keeps the poll from timing out behind the first decode after them
             rates = kv.park_rates
             if rates.step_ms:
                 batch_s = rates.step_ms / 1000
-            elif rates.prompt_tokens_per_s:
-                batch_s = kv.next_step.n_total_max / rates.prompt_tokens_per_s
+            if rates.prompt_tokens_per_s:
+                batch_s = max(batch_s, kv.next_step.n_total_max / rates.prompt_tokens_per_s)
         timeout_s = min(base + 2 * batch_s, max(base, up.poll_timeout_max_s))
         return max(timeout_s, self._wait_at_least_s)
 

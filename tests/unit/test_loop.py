@@ -20,6 +20,7 @@ from controller.metrics import Metrics
 from controller.probes import HostMemory
 from controller.settings import Settings, load_settings
 from controller.upstream import UpstreamClient
+from tests.fakes.clock import FakeClock
 from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
 
 NOW = 10_000_000
@@ -197,24 +198,38 @@ async def test_a_server_that_goes_away_is_reported_and_forgotten(fake: FakeLlama
     assert loop.state.history == {}, "after the server comes back, what the loop knew of its tasks is gone"
 
 
-async def test_back_off_grows_but_stays_under_half_the_lease() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+async def test_back_off_doubles_up_to_its_cap_on_a_fake_clock() -> None:
+    # nobody listens on the port: every poll fails at once, and each wait after it is the back-off, exactly
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = load_settings(overrides={"loop": {"backoff_initial_s": 1, "backoff_max_s": 8}, "upstream": {"lease_s": 30}})
+    clock = FakeClock(limit=7)
     async with UpstreamClient(f"http://127.0.0.1:{port}", timeout_s=0.2) as dead:
-        loop = make_loop(dead, settings(backoff_initial_s=0.01, backoff_max_s=0.08))
+        loop = ControlLoop(dead, s, Metrics(CollectorRegistry()), host=plenty, clock_ms=lambda: NOW, clock=clock)
         task = asyncio.create_task(loop.run())
-        seen: list[float] = []
-        for _ in range(60):
-            await asyncio.sleep(0.01)
-            if loop.state.backoff_s is not None:
-                seen.append(loop.state.backoff_s)
+        await asyncio.wait_for(clock.done.wait(), 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert seen and {round(b, 3) for b in seen} <= {0.01, 0.02, 0.04, 0.08}, "doubling from the initial one"
-    assert max(seen) == pytest.approx(0.08), "and capped"
-    assert loop.state.loop_restarts == 0
+    assert clock.waits == [1, 2, 4, 8, 8, 8, 8], "doubling from the initial one, capped"
+    assert loop.state.backoff_s == 8 and loop.state.loop_restarts == 0 and loop.state.polls == 0
+
+
+async def test_polls_keep_their_interval_and_a_wake_up_cuts_the_wait_short(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    s = load_settings(overrides={"loop": {"poll_interval_s": 2.0}})
+    clock = FakeClock(limit=4)
+    loop = ControlLoop(client, s, Metrics(CollectorRegistry()), host=plenty, clock_ms=lambda: NOW, clock=clock)
+    loop.add_poll_listener(lambda: loop.poll_soon() if loop.state.polls == 2 else None)
+    task = asyncio.create_task(loop.run())
+    await asyncio.wait_for(clock.done.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert clock.waits == [2.0, 2.0, 2.0, 2.0] and loop.state.polls == 5
+    assert clock.now == 3 * 2.0, "the wait after the second poll was woken at once: no time passed"
 
 
 def test_a_short_server_lease_caps_the_back_off(fake: FakeLlamaServer) -> None:

@@ -2,7 +2,8 @@
 
 A scripted fake server (tests/fakes/llama_server.py) delays its answers; each test fails on the loop before
 issue 18: a slow park or poll counted as a dead server, a manual command that timed out crashed the loop, a
-poll_soon() during a step was lost, a cut-off answer escaped as an aiohttp exception.
+poll_soon() during a step was lost, a cut-off answer escaped as an aiohttp exception. The delays are real (the
+calls' timeouts are aiohttp's own); the loop's cadence and back-off are tested on a fake clock (test_loop.py).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def parked_kv(task: int = 8) -> dict[str, Any]:
 async def test_a_park_answered_after_the_request_timeout_is_recorded_and_the_server_stays_up(
     fake: FakeLlamaServer, client: UpstreamClient
 ) -> None:
-    # the park answers 1 s late, beyond timeout_s (0.3): its own timeout follows the snapshot (floor 10 s)
+    # the park answers 3 s late, beyond timeout_s (0.3): its own timeout follows the snapshot (floor 10 s)
     fake.kv = pressured()
-    fake.queue("POST park", Reply(body=park_answer(2, 3).body, delay_s=1.0))
+    fake.queue("POST park", Reply(body=park_answer(2, 3).body, delay_s=3.0))
     loop = make_loop(client, settings())
     assert await loop.step()
     assert loop.state.parks == 1 and loop.state.history[3].parks == 1
@@ -97,12 +98,28 @@ async def test_a_poll_waits_behind_the_server_s_longest_batch(fake: FakeLlamaSer
     loop = make_loop(client, settings())
     assert await loop.step()
     assert loop.poll_timeout_s() == pytest.approx(0.3 + 2 * 1.024)
-    fake.queue("GET /kv", Reply(body=fake.kv, delay_s=1.0))
-    assert await loop.step(), "an answer 1 s late, after the old fixed timeout (0.3 s), is an answer"
+    fake.queue("GET /kv", Reply(body=fake.kv, delay_s=2.0))
+    assert await loop.step(), "an answer 2 s late, past the fixed timeout (0.3 s here), is an answer"
     assert loop.state.upstream_up and sample(loop, "kvctl_poll_errors_total", kind="UpstreamUnavailable") == 0
     fake.kv["park_rates"] = {"prompt_tokens_per_s": 1.0}  # a batch of 1024 s: capped by poll_timeout_max_s
     assert await loop.step()
     assert loop.poll_timeout_s() == loop.settings.upstream.poll_timeout_max_s
+
+
+async def test_a_poll_s_timeout_follows_the_server_s_published_step_time(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    # patch 23: the server's decaying peak of its main-loop iteration; the longer of it and the batch estimate counts
+    fake.kv = kv_body(1000, park_rates={"prompt_tokens_per_s": 1000.0, "step_ms": 1500.0})
+    fake.kv["next_step"]["n_total_max"] = 512
+    loop = make_loop(client, settings())
+    assert await loop.step()
+    assert loop.poll_timeout_s() == pytest.approx(0.3 + 2 * 1.5)
+    fake.kv["park_rates"]["step_ms"] = 1.0  # a stretch of copy-only iterations decays it: the batch estimate holds
+    assert await loop.step()
+    assert loop.poll_timeout_s() == pytest.approx(0.3 + 2 * 0.512)
+    fake.queue("GET /kv", Reply(body=fake.kv, delay_s=1.2))
+    assert await loop.step() and loop.state.upstream_up
 
 
 async def test_an_action_s_timeout_follows_its_snapshot_within_floor_and_ceiling(
@@ -115,6 +132,10 @@ async def test_an_action_s_timeout_follows_its_snapshot_within_floor_and_ceiling
     assert await loop.step()
     assert loop.action_timeout_s(10 * 10**9) == 10, "at the measured 20 GB/s: 2 s, under the floor"
     assert loop.action_timeout_s(10**13) == 300, "the ceiling"
+    # patch 23: the measured rate of parks and resumes from request to answer (a sliced copy spans steps) wins
+    fake.kv = kv_body(1000, park_rates={"copy_bytes_per_s": 20e9, "wall_bytes_per_s": 0.5e9})
+    assert await loop.step()
+    assert loop.action_timeout_s(10 * 10**9) == pytest.approx(0.3 + 2 * 20), "10 GB at 0.5 GB/s, twice over"
 
 
 async def test_a_manual_park_whose_caller_gave_up_does_not_crash_the_loop(
