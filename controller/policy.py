@@ -3,11 +3,18 @@
 Pure functions: no I/O and no clock (the time comes in with the snapshot), so the same input
 always gives the same decision, whatever order the slots are listed in.
 
-Projected occupancy of a pool = (cells held by requests in progress + the cells the next decode step
-may add + the unprefilled rest of every prompt in progress) / pool cells, for the target pool and for
-the draft pool when there is one; the pressure is the larger. Cells held by *idle* slots are left
-out: they are only a prompt cache, which the server clears before a decode step fails (upstream's
-idle-slot clearing, the safety net's second rung) and before a resume lacks room.
+Projected cells of a pool = cells held by requests in progress + the cells the next decode step may
+add + the unprefilled rest of every prompt in progress, for the target pool and for the draft pool
+when there is one; projected occupancy (the pressure) is projected cells / pool cells, the larger of
+the two. Cells held by *idle* slots are left out: they are only a prompt cache, which the server
+clears before a decode step fails (upstream's idle-slot clearing, the safety net's second rung) and
+before a resume lacks room.
+
+Decisions compare cells, never ratios: each watermark is turned once per pool size into whole cells,
+exactly, from its decimal value as the settings write it (0.94 of 1000 cells is 940, with no float
+rounding at the edge), so "at or above HIGH" is projected cells >= ceil(high x n), "below HIGH" is at
+most ceil(high x n) - 1 and "at or below LOW" is at most floor(low x n), in every pool. The ratios
+(``Pressure``, ``projected_after``) are for reporting alone.
 
 What the projection reserves beyond the cells held, the *step*, is
 ``n_gen + n_draft_max + max(n_prompt_max, sum of n_prefill_left over slots in state prompt)``: the
@@ -49,6 +56,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from fractions import Fraction
+from typing import TypeAlias
 
 from controller.settings import MiB, PolicySettings, RestoreOrder
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState
@@ -153,7 +162,9 @@ class TaskHistory:
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     high: float = 0.94
+    """Park at or above this ratio of a pool: ceil(high x n) projected cells, from its decimal value."""
     low: float = 0.80
+    """Restore while the projection stays at or below this ratio of each pool: floor(low x n) cells."""
     budget_bytes: int = 8192 * MiB
     """0: park by recompute only (on a server that offers it; an older server then parks nothing)."""
     host_reserve_bytes: int = 1024 * MiB
@@ -261,6 +272,15 @@ class Admission:
 
 # --- accounting --------------------------------------------------------------------------------
 
+_PerPool: TypeAlias = tuple[int, ...]
+"""One number of cells per pool: the target pool's, then the draft pool's when there is one."""
+
+
+def _exact(watermark: float) -> Fraction:
+    """The watermark's decimal value, as the settings write it: ``Fraction(0.94)``, the float's binary value, is
+    0.93999999999999994671..., and its product with a pool size lands a hair off whole cells."""
+    return Fraction(str(watermark))
+
 
 @dataclass(slots=True)
 class _Pool:
@@ -273,13 +293,40 @@ class _Pool:
     idle: int  # cells held by idle slots: a prompt cache the server clears when a step or a resume needs room
     step: int  # cells the next decode step may add
 
-    def ratio(self, extra_cells: int = 0, extra_step: int = 0) -> float:
-        active = max(0, self.used_target - self.idle) + extra_cells
+    def sizes(self) -> _PerPool:
+        return (self.n_target, self.n_draft) if self.n_draft else (self.n_target,)
+
+    def projected(self, extra_cells: int = 0, extra_step: int = 0) -> _PerPool:
+        """Projected cells of each pool, with ``extra_cells`` more held and ``extra_step`` more in the next step."""
         step = max(0, self.step + extra_step)
-        r = (active + step) / self.n_target
-        if self.n_draft:
-            r = max(r, (max(0, self.used_draft - self.idle) + extra_cells + step) / self.n_draft)
-        return r
+        target = max(0, self.used_target - self.idle) + extra_cells + step
+        if not self.n_draft:
+            return (target,)
+        return target, max(0, self.used_draft - self.idle) + extra_cells + step
+
+    def below(self, watermark: float) -> _PerPool:
+        """The most projected cells each pool may hold and stay strictly below ``watermark``: ceil(w x n) - 1, since
+        ceil(w x n) cells are at or above it."""
+        return tuple(math.ceil(_exact(watermark) * n) - 1 for n in self.sizes())
+
+    def up_to(self, watermark: float) -> _PerPool:
+        """The most projected cells each pool may hold and stay at or below ``watermark``: floor(w x n)."""
+        return tuple(math.floor(_exact(watermark) * n) for n in self.sizes())
+
+    def within(self, cap: _PerPool, extra_cells: int = 0, extra_step: int = 0) -> bool:
+        """Every pool's projected cells, with the extra ones, are at most its ``cap``."""
+        return all(cells <= most for cells, most in zip(self.projected(extra_cells, extra_step), cap, strict=True))
+
+    def room(self, cap: _PerPool) -> int:
+        """Cells that may still be added to every pool, held or in the next step, within ``cap`` (negative: over)."""
+        return min(most - cells for cells, most in zip(self.projected(), cap, strict=True))
+
+    def ratios(self) -> tuple[float, ...]:
+        """Projected occupancy of each pool, for reporting only: decisions compare cells."""
+        return tuple(cells / n for cells, n in zip(self.projected(), self.sizes(), strict=True))
+
+    def ratio(self) -> float:
+        return max(self.ratios())
 
     def free(self) -> int:
         """Cells a resume can have: the free ones and those of idle slots, which a resume clears."""
@@ -289,7 +336,7 @@ class _Pool:
         return free
 
     def capacity(self) -> int:
-        return self.n_target if not self.n_draft else min(self.n_target, self.n_draft)
+        return min(self.sizes())
 
     def remove(self, slot: Slot) -> None:
         self.used_target = max(0, self.used_target - slot.cells)
@@ -327,12 +374,8 @@ def pressure(kv: KvSnapshot, gpu_low: bool = False) -> Pressure:
     """Projected occupancy of the target and draft pools (see the module docstring)."""
     if kv.n_cells <= 0:
         return Pressure(0.0, None, gpu_low)
-    pool = _pool(kv)
-    target = (max(0, pool.used_target - pool.idle) + pool.step) / pool.n_target
-    draft = None
-    if pool.n_draft:
-        draft = (max(0, pool.used_draft - pool.idle) + pool.step) / pool.n_draft
-    return Pressure(target, draft, gpu_low)
+    target, *draft = _pool(kv).ratios()
+    return Pressure(target, draft[0] if draft else None, gpu_low)
 
 
 def _arrival(slot: Slot) -> int:
@@ -368,20 +411,69 @@ def _recompute_cheaper(n_cells: int, n_bytes: int, rates: ParkRates) -> bool:
     return n_cells / prompt < 2 * n_bytes / copy
 
 
+# --- one decision --------------------------------------------------------------------------------
+
+
 @dataclass(slots=True)
 class _Plan:
     cfg: PolicyConfig
     inp: PolicyInput
     pool: _Pool
+    high: _PerPool
+    """The most projected cells below HIGH, per pool."""
+    low: _PerPool
+    """The most projected cells at or below LOW, per pool."""
+    gpu_low: bool
     budget_left: float
     host_left: float
     protected: Slot | None
+    slots: list[Slot]
+    """Every slot, by id."""
     residents: list[Slot]
     actions: list[Action] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
 
+    @classmethod
+    def start(cls, inp: PolicyInput, cfg: PolicyConfig, gpu_low: bool) -> _Plan:
+        """Before any action: the watermarks in cells, what is left of the snapshot budget (the smaller of ours and
+        the server's, less what is parked) and of the host-RAM headroom, and the request never parked."""
+        kv = inp.kv
+        server_budget = kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else math.inf
+        host_left: float = math.inf
+        available = [b for b in (inp.host_available_bytes, kv.host_ram_available_bytes) if b is not None]
+        if available:
+            host_left = max(0, min(available) - cfg.host_reserve_bytes)
+        pool = _pool(kv)
+        slots = sorted(kv.slots, key=lambda s: s.id)
+        return cls(
+            cfg=cfg,
+            inp=inp,
+            pool=pool,
+            high=pool.below(cfg.high),
+            low=pool.up_to(cfg.low),
+            gpu_low=gpu_low,
+            budget_left=max(0.0, min(cfg.budget_bytes, server_budget) - kv.parked_bytes),
+            host_left=host_left,
+            protected=largest_resident(slots),
+            slots=slots,
+            residents=[s for s in slots if s.is_resident],
+        )
+
+    def below_high(self) -> bool:
+        return self.pool.within(self.high)
+
+    def decision(self, start: Pressure) -> Decision:
+        return Decision(start, tuple(self.actions), tuple(self.skipped), self.pool.ratio())
+
+    def skip(self, kind: ActionKind, slot: Slot, reason: SkipReason) -> None:
+        self.skipped.append(Skip(kind, slot.id, _task(slot), reason))
+
     def history(self, slot: Slot) -> TaskHistory:
         return self.inp.history.get(_task(slot), TaskHistory())
+
+    def waited(self, slot: Slot) -> int:
+        since = slot.park.parked_since_ms
+        return self.inp.now_ms - since if since is not None else 0
 
     def parked_before(self, slot: Slot) -> bool:
         return slot.park.count > 0 or self.history(slot).parks > 0
@@ -452,6 +544,61 @@ class _Plan:
         return done()
 
 
+def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
+    """Park and restore actions for one snapshot, in the order they should be carried out."""
+    gpu_low = inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes
+    start = pressure(inp.kv, gpu_low)
+    if inp.kv.n_cells <= 0:
+        return Decision(start, projected_after=start.value)
+    plan = _Plan.start(inp, cfg, gpu_low)
+    if not plan.below_high():
+        _relieve_pressure(plan)
+        if plan.actions:
+            return plan.decision(start)  # no restore in a decision that parks for pressure
+    _restore(plan)
+    return plan.decision(start)
+
+
+def _relieve_pressure(plan: _Plan) -> None:
+    """Step 1, at or above HIGH: park victims until the projection is below it.
+
+    When even every permitted park leaves it at or above HIGH, they are still worth doing: the oldest requests get
+    the room to finish, and the server's safety net covers the rest.
+    """
+    if not plan.park_until(plan.below_high, Reason.PRESSURE, all_or_nothing=False):
+        plan.skipped.append(Skip(ActionKind.PARK, -1, -1, SkipReason.UNRESOLVED))
+
+
+def _restore(plan: _Plan) -> None:
+    """Step 2: restore parked requests in the restore order, each as far as ``_restore_one`` allows."""
+    blocked = head_seen = False
+    for slot in _restore_order(plan.cfg, _waiting(plan), plan.inp.now_ms):
+        if slot.cells + 1 > plan.pool.capacity():
+            _cannot_fit(plan, slot)
+            continue  # it can never be restored: it must not hold up the others
+        if blocked:
+            plan.skip(ActionKind.RESUME, slot, SkipReason.HEAD_OF_LINE)
+            continue
+        is_head, head_seen = not head_seen, True
+        why_not = _restore_one(plan, slot, is_head=is_head)
+        if why_not is not None:
+            plan.skip(ActionKind.RESUME, slot, why_not)
+            blocked = plan.cfg.order is RestoreOrder.FIFO  # head-of-line: nobody overtakes the one parked longest
+
+
+def _waiting(plan: _Plan) -> list[Slot]:
+    """The parked requests the policy may restore: all but those pinned by hand (passed over, with why)."""
+    waiting = []
+    for slot in plan.slots:
+        if slot.state is not SlotState.PARKED or slot.id_task is None:
+            continue
+        if plan.history(slot).pinned:
+            plan.skip(ActionKind.RESUME, slot, SkipReason.PINNED)
+        else:
+            waiting.append(slot)
+    return waiting
+
+
 def _restore_order(cfg: PolicyConfig, waiting: list[Slot], now_ms: int) -> list[Slot]:
     def since(s: Slot) -> int:
         return s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
@@ -466,87 +613,36 @@ def _restore_order(cfg: PolicyConfig, waiting: list[Slot], now_ms: int) -> list[
     return sorted(waiting, key=lambda s: (since(s) > aged, -s.park.count, since(s), _task(s), s.id))
 
 
-def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
-    """Park and restore actions for one snapshot, in the order they should be carried out."""
-    kv = inp.kv
-    gpu_low = inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes
-    start = pressure(kv, gpu_low)
-    if kv.n_cells <= 0:
-        return Decision(start, projected_after=start.value)
-
-    server_budget = kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else math.inf
-    host_left: float = math.inf
-    available = [b for b in (inp.host_available_bytes, kv.host_ram_available_bytes) if b is not None]
-    if available:
-        host_left = max(0, min(available) - cfg.host_reserve_bytes)
-    slots = sorted(kv.slots, key=lambda s: s.id)
-    plan = _Plan(
-        cfg=cfg,
-        inp=inp,
-        pool=_pool(kv),
-        budget_left=max(0.0, min(cfg.budget_bytes, server_budget) - kv.parked_bytes),
-        host_left=host_left,
-        protected=largest_resident(slots),
-        residents=[s for s in slots if s.is_resident],
+def _cannot_fit(plan: _Plan, slot: Slot) -> None:
+    """A request larger than the pool even alone: ended once nothing else is resident, passed over until then."""
+    if plan.residents:
+        plan.skip(ActionKind.RESUME, slot, SkipReason.AWAIT_EMPTY_POOL)
+        return
+    plan.actions.append(
+        Action(
+            ActionKind.END, slot.id, _task(slot), Reason.CANNOT_FIT, slot.cells, 0, plan.pool.ratio(), plan.waited(slot)
+        )
     )
 
-    # 1. at or above HIGH: park until below it
-    if plan.pool.ratio() >= cfg.high:
-        # when even every permitted park leaves it at or above HIGH, they are still worth doing:
-        # the oldest requests get the room to finish, and the server's safety net covers the rest
-        if not plan.park_until(lambda: plan.pool.ratio() < cfg.high, Reason.PRESSURE, all_or_nothing=False):
-            plan.skipped.append(Skip(ActionKind.PARK, -1, -1, SkipReason.UNRESOLVED))
-        if plan.actions:
-            return Decision(start, tuple(plan.actions), tuple(plan.skipped), plan.pool.ratio())
 
-    # 2. restore, in order
-    waiting = []
-    for s in slots:
-        if s.state is not SlotState.PARKED or s.id_task is None:
-            continue
-        if plan.history(s).pinned:
-            plan.skipped.append(Skip(ActionKind.RESUME, s.id, _task(s), SkipReason.PINNED))
-        else:
-            waiting.append(s)
-    blocked = False
-    head_seen = False
-    for s in _restore_order(cfg, waiting, inp.now_ms):
-        task = _task(s)
-        waited = inp.now_ms - s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
-        if s.cells + 1 > plan.pool.capacity():
-            if not plan.residents:
-                plan.actions.append(
-                    Action(ActionKind.END, s.id, task, Reason.CANNOT_FIT, s.cells, 0, plan.pool.ratio(), waited)
-                )
-            else:
-                plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.AWAIT_EMPTY_POOL))
-            continue  # it can never be restored: it must not hold up the others
-        if blocked:
-            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.HEAD_OF_LINE))
-            continue
-        is_head, head_seen = not head_seen, True
-        step = _step_cells(s)
-        after = plan.pool.ratio(s.cells, step + cfg.margin_cells)
-        fits_free = s.cells <= plan.pool.free()
-        if fits_free and not gpu_low and after <= cfg.low:
-            _resume(plan, s, Reason.BELOW_LOW, waited)
-            continue
-        if fits_free and not plan.residents:
-            _resume(plan, s, Reason.NOTHING_RESIDENT, waited)
-            continue
-        if is_head and waited >= cfg.max_wait_ms:
-            if _restore_starving(plan, s, waited):
-                continue
-            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.NO_ROOM))
-        elif not fits_free:
-            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.NO_FREE_CELLS))
-        elif gpu_low:
-            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.GPU_PRESSURE))
-        else:
-            plan.skipped.append(Skip(ActionKind.RESUME, s.id, task, SkipReason.ABOVE_LOW))
-        if cfg.order is RestoreOrder.FIFO:
-            blocked = True  # head-of-line: nobody overtakes the request parked longest
-    return Decision(start, tuple(plan.actions), tuple(plan.skipped), plan.pool.ratio())
+def _restore_one(plan: _Plan, slot: Slot, *, is_head: bool) -> SkipReason | None:
+    """Restore one parked request if a rule lets it in now (below LOW, an empty pool, or a starving head); else
+    why not."""
+    waited = plan.waited(slot)
+    fits_free = slot.cells <= plan.pool.free()
+    # its cells, its next step and a margin for the steps before the next poll
+    at_or_below_low = plan.pool.within(plan.low, slot.cells, _step_cells(slot) + plan.cfg.margin_cells)
+    if fits_free and not plan.gpu_low and at_or_below_low:
+        _resume(plan, slot, Reason.BELOW_LOW, waited)
+        return None
+    if fits_free and not plan.residents:
+        _resume(plan, slot, Reason.NOTHING_RESIDENT, waited)
+        return None
+    if is_head and waited >= plan.cfg.max_wait_ms:
+        return None if _restore_starving(plan, slot, waited) else SkipReason.NO_ROOM
+    if not fits_free:
+        return SkipReason.NO_FREE_CELLS
+    return SkipReason.GPU_PRESSURE if plan.gpu_low else SkipReason.ABOVE_LOW
 
 
 def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
@@ -568,11 +664,10 @@ def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
 
 def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
     """Restore a head that waited too long below HIGH, parking newer requests to make room."""
-    high = plan.cfg.high
     step = _step_cells(slot)
 
     def fits() -> bool:
-        return slot.cells <= plan.pool.free() and plan.pool.ratio(slot.cells, step) < high
+        return slot.cells <= plan.pool.free() and plan.pool.within(plan.high, slot.cells, step)
 
     if not fits() and not plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True):
         return False
@@ -584,8 +679,8 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admis
     """Whether new requests may start now (asked by the proxy), and how many: parked requests are restored first.
 
     The allowance is the number of new requests of ``n_prompt_cells`` each (and one cell of the next step
-    each) that keep the projection below HIGH; at least one when nothing is resident, so a request larger
-    than the reserve still starts on an empty pool.
+    each) that keep the projection below HIGH in every pool; at least one when nothing is resident, so a
+    request larger than the reserve still starts on an empty pool.
     """
     kv = inp.kv
     waiting = [
@@ -599,17 +694,8 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admis
     resident = any(s.is_resident for s in kv.slots)
     if inp.gpu_free_bytes is not None and inp.gpu_free_bytes < cfg.gpu_floor_bytes and resident:
         return Admission(False, "other processes took the GPU memory the server needs (see /status gpu_held)", 0)
-    per = max(1, n_prompt_cells) + 1
-    room = cfg.high * pool.n_target - pool.ratio() * pool.n_target  # cells left below HIGH, target pool
-    if pool.n_draft:
-        room = min(room, cfg.high * pool.n_draft - pool.ratio() * pool.n_draft)
-    room_cells = max(0, math.ceil(room) - 1)  # strictly below HIGH
-    allowance = max(0, math.ceil(room / per) - 1)
-    for _ in range(2):  # float rounding at the edge
-        if allowance > 0 and pool.ratio(allowance * per - allowance, allowance) >= cfg.high:
-            allowance -= 1
-        elif pool.ratio((allowance + 1) * (per - 1), allowance + 1) < cfg.high:
-            allowance += 1
+    room_cells = max(0, pool.room(pool.below(cfg.high)))
+    allowance = room_cells // (max(1, n_prompt_cells) + 1)  # a prompt and its first step each
     if not resident:
         allowance = max(1, allowance)
     if allowance == 0:

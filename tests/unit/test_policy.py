@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -526,17 +527,20 @@ def test_admission_reserves_the_unprefilled_rest_of_prompts_in_progress() -> Non
     assert admission(PolicyInput(snap, NOW), CFG, 100).allowance == 2
 
 
-@given(st.integers(1, 4096), st.integers(0, 4096), st.integers(1, 2000))
-def test_admission_allowance_is_exact(n_cells: int, used: int, reserve: int) -> None:
-    used = min(used, n_cells)
-    snap = kv(n_cells, [S("generating", used, t_arrival_ms=1)] if used else [])
+@given(st.integers(1, 4096), st.integers(0, 4096), st.integers(1, 2000), st.none() | st.integers(1, 8192))
+def test_admission_allowance_is_exact(n_cells: int, used: int, reserve: int, draft: int | None) -> None:
+    used = min(used, n_cells, draft or n_cells)
+    snap = kv(n_cells, [S("generating", used, t_arrival_ms=1)] if used else [], draft_cells=draft)
     a = admission(PolicyInput(snap, NOW), CFG, reserve)
     k = a.allowance
-    assert k is not None and a.admit == (k > 0)
-    pool = (used + (1 if used else 0)) / n_cells
+    assert k is not None and a.room_cells is not None and a.admit == (k > 0)
+    projected = used + (1 if used else 0)
+    # in cells: HIGH (0.94) is reached at ceil(94 n / 100) cells of a pool; both hold the same cells
+    high = min(-(-94 * n // 100) for n in (n_cells, draft or n_cells))
+    assert a.room_cells == max(0, high - 1 - projected)
     if used:
-        assert k == 0 or pool + k * (reserve + 1) / n_cells < CFG.high
-        assert pool + (k + 1) * (reserve + 1) / n_cells >= CFG.high
+        assert k == 0 or projected + k * (reserve + 1) < high
+        assert projected + (k + 1) * (reserve + 1) >= high
     else:
         assert k >= 1
 
@@ -694,9 +698,12 @@ def test_restores_stay_at_or_below_low_except_through_the_no_starvation_rule(
         elif a.kind is ActionKind.RESUME:
             own = 1 + s.n_draft_max
             used = [active, draft_used][: len(pools)]
-            after = max((u + s.cells + step + own + cfg.margin_cells) / n for u, n in zip(used, pools, strict=True))
+            # exactly, in the watermarks' decimal values: no float tolerance at the edge
+            after = max(
+                Fraction(u + s.cells + step + own + cfg.margin_cells, n) for u, n in zip(used, pools, strict=True)
+            )
             if a.reason is Reason.BELOW_LOW:
-                assert after <= cfg.low + 1e-9
+                assert after <= Fraction(str(cfg.low))
                 assert not d.pressure.gpu_low
             elif a.reason is Reason.NOTHING_RESIDENT:
                 assert residents == 0
@@ -704,7 +711,8 @@ def test_restores_stay_at_or_below_low_except_through_the_no_starvation_rule(
             else:
                 assert a.reason is Reason.STARVATION
                 assert NOW - (s.park.parked_since_ms or 0) >= cfg.max_wait_ms
-                assert max((u + s.cells + step + own) / n for u, n in zip(used, pools, strict=True)) < cfg.high
+                high = Fraction(str(cfg.high))
+                assert max(Fraction(u + s.cells + step + own, n) for u, n in zip(used, pools, strict=True)) < high
                 head_waits.append(a.slot)
             active += s.cells
             draft_used += s.cells
