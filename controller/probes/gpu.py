@@ -46,12 +46,6 @@ class GpuReading:
     devices: tuple[GpuDevice, ...] = ()
     error: str | None = None
 
-    @property
-    def min_free_bytes(self) -> int | None:
-        """The tightest device's free memory, or None when unknown."""
-        free = [d.free_bytes for d in self.devices if d.free_bytes is not None]
-        return min(free) if free else None
-
 
 ABSENT = GpuReading(GpuState.ABSENT)
 

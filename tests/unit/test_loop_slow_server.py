@@ -95,11 +95,11 @@ async def test_a_poll_waits_behind_the_server_s_longest_batch(fake: FakeLlamaSer
     # the server measured 1000 prompt tokens/s and may run a 1024-cell batch: a poll may wait ~1 s for it
     fake.kv = kv_body(1000, park_rates={"prompt_tokens_per_s": 1000.0})
     fake.kv["next_step"]["n_total_max"] = 1024
-    loop = make_loop(client, settings())
+    loop = make_loop(client, settings(timeout_s=2.0))  # the default, once every call's timeout
     assert await loop.step()
-    assert loop.poll_timeout_s() == pytest.approx(0.3 + 2 * 1.024)
-    fake.queue("GET /kv", Reply(body=fake.kv, delay_s=2.0))
-    assert await loop.step(), "an answer 2 s late, past the fixed timeout (0.3 s here), is an answer"
+    assert loop.poll_timeout_s() == pytest.approx(2.0 + 2 * 1.024)
+    fake.queue("GET /kv", Reply(body=fake.kv, delay_s=2.5))
+    assert await loop.step(), "an answer 2.5 s late, past the old fixed timeout (2 s), is an answer"
     assert loop.state.upstream_up and sample(loop, "kvctl_poll_errors_total", kind="UpstreamUnavailable") == 0
     fake.kv["park_rates"] = {"prompt_tokens_per_s": 1.0}  # a batch of 1024 s: capped by poll_timeout_max_s
     assert await loop.step()
@@ -136,6 +136,25 @@ async def test_an_action_s_timeout_follows_its_snapshot_within_floor_and_ceiling
     fake.kv = kv_body(1000, park_rates={"copy_bytes_per_s": 20e9, "wall_bytes_per_s": 0.5e9})
     assert await loop.step()
     assert loop.action_timeout_s(10 * 10**9) == pytest.approx(0.3 + 2 * 20), "10 GB at 0.5 GB/s, twice over"
+
+
+async def test_a_manual_park_answered_3_s_late_is_done_and_pinned(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    # before issue 18: 503 "upstream down" and the pin gone, although the server parked the request
+    loop = make_loop(client, settings())
+    fake.kv = kv_body(1000, [{"state": "generating", "n_cells": 100, "id_task": 8, "t_arrival_ms": 1}])
+    fake.queue("POST park", Reply(body=park_answer(0, 8).body, delay_s=3.0))
+    async with running(loop):
+        result = await loop.manual(ManualAction.PARK, 0)
+        fake.kv = parked_kv()
+        polls = loop.state.polls
+        while loop.state.polls < polls + 2:  # noqa: ASYNC110 - the loop is under test
+            await asyncio.sleep(0.01)
+    assert result.pinned and result.detail == "parked and pinned"
+    assert loop.state.history[8].pinned and loop.state.history[8].parks == 1, "the pin and the history survive"
+    assert loop.state.upstream_up and loop.state.loop_restarts == 0 and loop.state.action_failures == 0
+    assert not [s for s in fake.seen if s.query.get("action") == "resume"], "a pinned request stays parked"
 
 
 async def test_a_manual_park_whose_caller_gave_up_does_not_crash_the_loop(

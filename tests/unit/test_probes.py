@@ -45,7 +45,7 @@ def fake_nvml(count: int = 2, init_error: Exception | None = None) -> Any:
 
 async def test_without_nvml_the_gpu_is_absent() -> None:
     reading = await GpuProbe().read()  # no NVML library on this machine
-    assert reading.state is GpuState.ABSENT and reading.min_free_bytes is None
+    assert reading.state is GpuState.ABSENT and reading.devices == ()
     probe = GpuProbe(fake_nvml(init_error=RuntimeError("NVML Shared Library Not Found")))
     assert (await probe.read()).state is GpuState.ABSENT and probe.absent
 
@@ -57,7 +57,6 @@ async def test_an_unsupported_field_is_none_and_the_rest_is_read() -> None:
     first, second = reading.devices
     assert (first.name, first.used_bytes, first.free_bytes) == ("Fake GPU", 3 * 2**30, 5 * 2**30)
     assert second.free_bytes is None and second.name == "Fake GPU"
-    assert reading.min_free_bytes == 5 * 2**30
     probe.close()
 
 
