@@ -23,13 +23,15 @@ from prometheus_client import CollectorRegistry
 from controller.admin import make_admin_app
 from controller.loop import ControlLoop
 from controller.metrics import Metrics
+from controller.policy import pressure
 from controller.probes import GpuProbe
 from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
 from controller.proxy.app import PROXY_KEY, Proxy, run_site, tls_context
+from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from controller.proxy.routes import predict_route_from_env
-from controller.settings import LogFormat, LogSettings, Settings, split_host_port
+from controller.settings import LogFormat, LogSettings, MetricsCompat, Settings, split_host_port
 from controller.supervisor import Supervisor
-from controller.upstream import UpstreamClient, UpstreamError
+from controller.upstream import SlotState, UpstreamClient, UpstreamError
 
 __all__ = ["App", "configure_logging"]
 
@@ -170,6 +172,26 @@ class App:
             empty=verdict.empty,
         )
 
+    def endpoint_sample(self) -> EndpointSample:
+        """The endpoint picker's numbers (controller.proxy.endpoint_metrics), from the latest poll and the proxy."""
+        state = self.loop.state
+        kv = state.snapshot
+        age = time.monotonic() - state.last_poll_monotonic if state.last_poll_monotonic is not None else None
+        queued = self.proxy.queue.queued if self.proxy is not None else 0
+        if kv is None:
+            return EndpointSample(up=False, poll_age_s=age, queued=queued, running=0, usage=1.0, n_cells=0)
+        queued += self.gate.admitted_since(state.snapshot_asked_monotonic)
+        queued += sum(1 for s in kv.slots if s.state is SlotState.PARKED)
+        decision = state.decision
+        return EndpointSample(
+            up=state.upstream_up,
+            poll_age_s=age,
+            queued=queued,
+            running=sum(1 for s in kv.slots if s.is_resident),
+            usage=decision.pressure.value if decision is not None else pressure(kv).value,
+            n_cells=kv.n_cells,
+        )
+
     async def _start_proxy(self) -> None:
         """The client-facing reverse proxy: relays to the upstream, asks the gate before admitting."""
         p = self.settings.proxy
@@ -199,6 +221,11 @@ class App:
         host, port = split_host_port(p.listen)
         app = make_proxy_app(config, self.gate, self.metrics.registry)
         self.proxy = app[PROXY_KEY]
+        self.proxy.endpoint = EndpointMetrics(
+            self.endpoint_sample,
+            vllm_names=p.metrics_compat is MetricsCompat.VLLM,
+            poll_interval_s=self.settings.loop.poll_interval_s,
+        )
         tls = tls_context(
             str(p.tls_cert_file) if p.tls_cert_file else None, str(p.tls_key_file) if p.tls_key_file else None
         )

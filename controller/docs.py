@@ -21,7 +21,8 @@ WHAT_KIND_MEANS = {
     Kind.GENERATION: (
         "admission, kvctl's `X-Request-Id`, heartbeats while queued or parked, errors in the route's framing"
     ),
-    Kind.PRIVATE: "refused (404) unless `proxy.expose_private_routes`; `GET /metrics` always",
+    Kind.PRIVATE: "refused (404) unless `proxy.expose_private_routes`; `GET /metrics` is kvctl's own endpoint gauges "
+    "(docs/scaling.md), never the server's",
     Kind.PUBLIC: "no credentials needed (as on the server)",
     Kind.CONVERSATION: "relayed byte for byte; with several kvctl keys, only the key that started the conversation",
     Kind.CONTROL: "relayed; with several kvctl keys, only the key that started the completion",

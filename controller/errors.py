@@ -47,6 +47,7 @@ class Code(StrEnum):
     INVALID_PREDICT = "invalid_predict"
     CONVERSATION_TAKEN = "conversation_taken"
     NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
     EXPECTATION_FAILED = "expectation_failed"
     # the proxy: admission and the server
     QUEUE_FULL = "queue_full"

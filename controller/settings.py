@@ -144,6 +144,11 @@ class ApiKeyEntry(_Group):
     """The highest priority this key's requests may ask for (read by a later release)."""
 
 
+class MetricsCompat(StrEnum):
+    NONE = "none"
+    VLLM = "vllm"
+
+
 class ProxySettings(_Group):
     """The client-facing reverse proxy: streams that survive parking, admission that protects running chats."""
 
@@ -206,6 +211,12 @@ class ProxySettings(_Group):
     """Pass `GET /slots`, `GET /kv` and `POST /slots/...` through the public listener. Off: a client could otherwise
     park someone else's chat, read other users' requests or renew the controller's lease. The server's `/metrics`
     is never relayed."""
+
+    metrics_compat: MetricsCompat = MetricsCompat.NONE
+    """`GET /metrics` on the public listener serves the endpoint gauges (queued and running requests, KV usage, the
+    pool's block layout) under kvctl's names (`kvctl_endpoint_*`); `vllm` also under vLLM's names
+    (`vllm:num_requests_waiting`, ...), so that an inference gateway's endpoint picker in its stock configuration
+    routes by them (docs/scaling.md)."""
 
     def api_key_list(self) -> list[ApiKey]:
         """`api_keys` and the entries of `api_keys_file`, parsed; KeyFileError names a bad entry (never its key)."""

@@ -100,6 +100,12 @@ class AdmissionGate:
         self._admitted.append((time.monotonic(), cells))
         return True
 
+    def admitted_since(self, as_of: float | None) -> int:
+        """Requests admitted at or after ``as_of`` (monotonic; a snapshot's asking time): not in that snapshot yet."""
+        if as_of is None:
+            return 0
+        return sum(1 for t, _ in self._admitted if t >= as_of)
+
     async def wait_changed(self) -> None:
         await self._changed.wait()
 

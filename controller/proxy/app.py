@@ -34,10 +34,11 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from yarl import URL
 
-from controller.errors import Code, proxy_error_object, proxy_error_response
+from controller.errors import Code, error_headers, proxy_error_object, proxy_error_response
 from controller.httputil import unsupported_expect
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
 from controller.proxy.auth import PUBLIC_PATHS, UNAUTHORIZED_BODY, Answer, ApiKey, Identity, KeyRing, ServerCheck
+from controller.proxy.endpoint_metrics import CONTENT_TYPE, EndpointMetrics
 from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 
@@ -323,6 +324,8 @@ class Proxy:
         self.queue = AdmissionQueue(gate, config.queue_depth, config.queue_timeout_s)
         self.metrics = ProxyMetrics(registry)
         self.inflight: dict[str, Inflight] = {}  # generation requests
+        self.endpoint: EndpointMetrics | None = None
+        """The endpoint picker's gauges on GET /metrics; set by the App, which feeds them from the control loop."""
         self.relays: set[Inflight] = set()  # other requests still waiting for the server's response to start
         self.session: aiohttp.ClientSession | None = None
         parts = urlsplit(config.upstream)
@@ -457,6 +460,24 @@ class Proxy:
         self.count(request.path if known else "other", status)
         return proxy_error_response(status, message, code, retry_after, await self.cors_headers(request))
 
+    async def endpoint_metrics(self, request: web.Request) -> web.StreamResponse:
+        """``GET /metrics``: the gauges an inference gateway's endpoint picker reads (proxy/endpoint_metrics.py),
+        without a key; 404 where no control loop feeds them (a plain relay)."""
+        if self.endpoint is None or request.path != "/metrics":
+            message = f"no route {request.method} {request.path} on the public listener"
+            return await self.kvctl_error(request, 404, message, Code.NOT_FOUND)
+        if request.method not in ("GET", "HEAD"):
+            self.count("/metrics", 405)
+            headers = {**error_headers(Code.METHOD_NOT_ALLOWED), "Allow": "GET, HEAD"}
+            return proxy_error_response(
+                405, f"{request.method} /metrics: use GET", Code.METHOD_NOT_ALLOWED, None, headers
+            )
+        self.count("/metrics", 200)
+        return web.Response(
+            body=self.endpoint.render() if request.method == "GET" else None,
+            headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"},
+        )
+
     async def unauthorized(self, request: web.Request) -> web.Response:
         self.metrics.auth_failures.inc()
         self.count("other", 401)
@@ -536,11 +557,9 @@ class Proxy:
             # a CORS preflight: browsers send no credentials, and the server answers it before any check
             return await self.relay(request, None, None), None
         route = self.routes.lookup(request.method, path)
-        if route is not None and route.path == "/metrics":
-            # kvctl's public metrics (a later issue); the server's llamacpp:* series never leave through the proxy
-            return await self.kvctl_error(
-                request, 404, "no route GET /metrics on the public listener", Code.NOT_FOUND
-            ), None
+        if path == "/metrics" or (route is not None and route.path == "/metrics"):
+            # kvctl's endpoint gauges, public like /health; the server's llamacpp:* series never leave through here
+            return await self.endpoint_metrics(request), None
 
         # --- authentication, before anything else ---
         ident: Identity | None = Identity(None)
