@@ -119,6 +119,16 @@ SECTIONS = [
         "As on the CPU, 20 pairs of 128 tokens.",
     ),
     (
+        "endpoint.md",
+        "kvctl as an inference gateway's endpoint (llm-d)",
+        "python -m bench.endpoint",
+        "The public `GET /metrics` scraped every 50 ms as llm-d's endpoint picker does, idle and under 64 streams "
+        "(target: p99 under 10 ms), and its render alone; then two replicas, each server on its own core, fed long "
+        "and short answers alternately (twice one pool in all) by round robin or by a tiny router that reads the "
+        "gauges (lowest KV usage, then the shortest queue). Round robin sends every long answer to one replica, "
+        "which parks; the gauges spread them.",
+    ),
+    (
         "proxy_auth.md",
         "What the proxy's authentication costs",
         "python -m bench.proxy_auth",
