@@ -250,8 +250,9 @@ class AdminSettings(_Group):
     loopback address."""
 
     unready_after_s: float = Field(default=2.0, ge=0)
-    """Seconds the pool must stay saturated (at or above HIGH with requests waiting to be restored) before `/readyz`
-    turns 503. One crossing of HIGH lasts a poll or two; a load balancer should not see it."""
+    """Seconds the pool must stay saturated (parked requests waiting to be restored while the pressure is above LOW)
+    before `/readyz` turns 503. A brief overflow is parked and restored within a poll or two; a load balancer should
+    not see it."""
 
     ready_after_s: float = Field(default=5.0, ge=0)
     """Seconds the pool must stay relieved (at or below LOW, or nobody waiting) before `/readyz` turns 200 again;

@@ -40,9 +40,10 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 16
-"""Cells per block in ``cache_config_info``. llama.cpp's pool is cell by cell, so any size describes it; 16 is vLLM's
-default and what llm-d's prefix scorer assumes without one, so its auto-tuning from these labels sizes its per-pod
-index to the pool's cells without changing how it hashes prompts (docs/scaling.md)."""
+"""Cells per block in ``cache_config_info``. llama.cpp's pool is cell by cell and reuses any token prefix, so any size
+describes it truthfully; llm-d's approximate prefix scorer hashes prompts by the block size of the first candidate
+pod and sizes each pod's prefix index by its block count, so 16, vLLM's default, keeps a pool that mixes vLLM and
+kvctl pods consistent (docs/scaling.md, "Why the block size is 16")."""
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The classic text format, which every scraper parses (and what vLLM serves); the names need nothing newer."""

@@ -172,6 +172,7 @@ async def test_lapsed_lease_resumes_an_api_parked_request(
 ) -> None:
     srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--park-lease", "3")
     t_parked: list[float] = []
+    watchers: list[asyncio.Task[None]] = []
 
     async def park_once(res: StreamResult) -> None:
         if len(res.tokens) != 50:
@@ -189,9 +190,10 @@ async def test_lapsed_lease_resumes_an_api_parked_request(
                 await get_json(http, srv.url + "/slots")
                 await asyncio.sleep(0.2)
 
-        asyncio.get_running_loop().create_task(watch())
+        watchers.append(asyncio.create_task(watch()))
 
     res = await stream_completion(http, srv.url, request("Lease", 150, id_slot=0), on_chunk=park_once)
+    await asyncio.gather(*watchers)
     assert_all_complete([res], 150)
     waited = time.monotonic() - t_parked[0]
     assert 3.0 <= waited < 10.0, f"resumed after {waited:.1f} s, lease is 3 s"
