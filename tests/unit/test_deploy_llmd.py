@@ -234,11 +234,11 @@ def test_the_zero_configuration_variant_serves_what_the_stock_picker_reads(
     assert "kvctl" not in json.dumps(stock)
 
 
-def test_the_two_variants_differ_only_in_the_names() -> None:
+def test_the_two_variants_differ_only_in_the_engine_label() -> None:
     kvctl_names, vllm_names = by_kind(KVCTL_VARIANT), by_kind(VLLM_VARIANT)
-    assert kvctl_names[("ConfigMap", "kvctl")]["data"]["KVCTL_PROXY__METRICS_COMPAT"] == "none"
+    # both serve both name sets: a stock picker reads either, the engine config reads kvctl's
+    assert kvctl_names[("ConfigMap", "kvctl")]["data"]["KVCTL_PROXY__METRICS_COMPAT"] == "vllm"
     for docs in (kvctl_names, vllm_names):
-        del docs[("ConfigMap", "kvctl")]["data"]["KVCTL_PROXY__METRICS_COMPAT"]
         docs[("Deployment", "kvctl-llama")]["spec"]["template"]["metadata"]["labels"].pop(ENGINE_LABEL, None)
     assert kvctl_names == vllm_names
 
@@ -251,9 +251,7 @@ def test_the_pods_are_the_sidecar_manifest_s_pods() -> None:
     assert ours["selector"] == theirs["selector"] and ours["strategy"] == theirs["strategy"]
     assert ours["replicas"] >= 2
     assert llmd[("ConfigMap", "llama-server")]["data"] == sidecar[("ConfigMap", "llama-server")]["data"]
-    config = dict(llmd[("ConfigMap", "kvctl")]["data"])
-    del config["KVCTL_PROXY__METRICS_COMPAT"]
-    assert config == sidecar[("ConfigMap", "kvctl")]["data"]
+    assert llmd[("ConfigMap", "kvctl")]["data"] == sidecar[("ConfigMap", "kvctl")]["data"]
 
 
 # --- pool, picker, route ---------------------------------------------------------------------
