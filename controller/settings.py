@@ -212,6 +212,15 @@ class ProxySettings(_Group):
     park someone else's chat, read other users' requests or renew the controller's lease. The server's `/metrics`
     is never relayed."""
 
+    client_priority: bool = True
+    """Without `api_keys`: whether clients may set their requests' priority (the body's `priority`, `X-Priority`,
+    llm-d's objective header). Off: every request gets 0. With keys, each key's `max_priority` caps what its clients
+    may ask for, and its `priority` is their default."""
+
+    objective_priorities: dict[str, int] = Field(default_factory=dict)
+    """llm-d's objective header (`x-llm-d-inference-objective`, the InferenceObjective's name) to a priority, e.g.
+    `{"interactive": 10, "batch": -10}`; an objective not listed sets none."""
+
     metrics_compat: MetricsCompat = MetricsCompat.NONE
     """`GET /metrics` on the public listener serves the endpoint gauges (queued and running requests, KV usage, the
     pool's block layout) under kvctl's names (`kvctl_endpoint_*`); `vllm` also under vLLM's names
@@ -318,6 +327,30 @@ class PolicySettings(_Group):
     """On a GPU the server runs on: when other processes have taken memory since the server started and left less
     than this free (MiB), restores and admissions wait. The free memory of a GPU the server itself filled never holds
     anything back. 256 MiB leaves room for a compute buffer the server reallocates. Replaces `gpu_free_floor_mib`."""
+
+    priority_max_wait_s: float = Field(default=120.0, gt=0)
+    """Seconds a request may wait (parked, or in kvctl's admission queue) before it counts as the highest priority
+    present: every wait is bounded by this setting, whatever the priorities. Priorities: higher = more important
+    (as SGLang, TensorRT-LLM and llm-d; vLLM is the reverse)."""
+
+    displacement: bool = True
+    """A new request of strictly higher priority than a running one may displace it (park it) when the pool has no
+    room for the new one. Equal priorities never displace each other."""
+
+    priority_high_at: int = 1
+    """Priorities at or above this are the `high` class in metrics (`priority_class` label); the raw number is never
+    a label."""
+
+    priority_low_at: int = -1
+    """Priorities at or below this are the `low` class in metrics; between the two, `normal`."""
+
+    @field_validator("priority_low_at")
+    @classmethod
+    def _low_class_below_high(cls, low: int, info: ValidationInfo) -> int:
+        high = info.data.get("priority_high_at")
+        if high is not None and low >= high:
+            raise ValueError(f"must be below policy.priority_high_at ({high})")
+        return low
 
     @field_validator("low")
     @classmethod
@@ -591,6 +624,8 @@ def _default_text(value: Any) -> str:
         return "(secret)"
     if isinstance(value, StrEnum):
         return f"`{value.value}`"
+    if isinstance(value, list | dict) and not value:
+        return "none"
     return f"`{value}`"
 
 
@@ -603,7 +638,8 @@ def markdown_table() -> str:
         for name, field in group.model_fields.items():
             dotted = f"{group_name}.{name}"
             desc = " ".join((field.description or "").split())
-            rows.append(f"| `{dotted}` | `{env_name(dotted)}` | {_default_text(field.default)} | {desc} |")
+            default = field.get_default(call_default_factory=True)
+            rows.append(f"| `{dotted}` | `{env_name(dotted)}` | {_default_text(default)} | {desc} |")
     return "\n".join(rows)
 
 
