@@ -79,7 +79,21 @@ __all__ = [
     "decide",
     "largest_resident",
     "pressure",
+    "priority_class",
 ]
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""The range of a request's priority (the server keeps it as an int32)."""
+
+
+def priority_class(priority: int, high_at: int, low_at: int) -> str:
+    """The metrics label of a priority: ``high`` at or above high_at, ``low`` at or below low_at, else ``normal``
+    (a bounded label: the raw number never is one)."""
+    if priority >= high_at:
+        return "high"
+    if priority <= low_at:
+        return "low"
+    return "normal"
 
 
 class ActionKind(StrEnum):
