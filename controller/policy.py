@@ -71,12 +71,14 @@ __all__ = [
     "PolicyConfig",
     "PolicyInput",
     "Pressure",
+    "QueuedRequest",
     "Reason",
     "Skip",
     "SkipReason",
     "TaskHistory",
     "admission",
     "decide",
+    "effective_priorities",
     "largest_resident",
     "pressure",
     "priority_class",
@@ -109,6 +111,8 @@ class Reason(StrEnum):
     """park: the projected occupancy is at or above HIGH."""
     MAKE_ROOM = "make_room"
     """park: room for a request that has waited longer than max_wait."""
+    DISPLACE = "displace"
+    """park: room for a request waiting in kvctl's queue whose priority is strictly higher (policy.displacement)."""
     BELOW_LOW = "below_low"
     """resume: the projection after restoring stays at or below LOW."""
     NOTHING_RESIDENT = "nothing_resident"
@@ -155,6 +159,8 @@ class SkipReason(StrEnum):
     PINNED = "pinned"
     NO_ROOM = "no_room"
     """a starving head that no permitted park can make room for."""
+    PRIORITY = "priority"
+    """park: its priority is above what the park is for; restore: a request of higher priority waits first."""
     AWAIT_EMPTY_POOL = "await_empty_pool"
     """cannot fit the pool even alone; ended once nothing else is resident."""
 
@@ -186,6 +192,9 @@ class PolicyConfig:
     order: RestoreOrder = RestoreOrder.AGING
     max_wait_ms: int = 30_000
     gpu_floor_bytes: int = 256 * MiB
+    priority_max_wait_ms: int = 120_000
+    """A request parked (or queued) longer than this counts as the highest priority present."""
+    displacement: bool = True
 
     @classmethod
     def from_settings(cls, s: PolicySettings) -> PolicyConfig:
@@ -198,6 +207,8 @@ class PolicyConfig:
             order=s.restore_order,
             max_wait_ms=int(s.max_wait_s * 1000),
             gpu_floor_bytes=s.gpu_headroom_mib * MiB,
+            priority_max_wait_ms=int(s.priority_max_wait_s * 1000),
+            displacement=s.displacement,
         )
 
 
@@ -213,6 +224,16 @@ class PolicyInput:
     None: unknown, the server's alone applies (no host-RAM limit when neither is known)."""
     gpu_free_bytes: int | None = None
     """The tightest GPU's free memory; None: no GPU (NVML absent)."""
+    queued: QueuedRequest | None = None
+    """The head of kvctl's admission queue (the next new request to start), if one waits."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    priority: int
+    cells: int
+    """Its prompt's estimated cells."""
+    waited_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +267,8 @@ class Action:
     """For a park: by swap or by recompute."""
     mode_reason: ModeReason | None = None
     """For a park: why that mode."""
+    priority: int = 0
+    """The request's own priority (its metrics class); the policy ordered by its effective priority."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +448,24 @@ def _recompute_cheaper(n_cells: int, n_bytes: int, rates: ParkRates) -> bool:
     return n_cells / prompt < 2 * n_bytes / copy
 
 
+def effective_priorities(inp: PolicyInput, cfg: PolicyConfig) -> tuple[dict[int, int], int | None]:
+    """Each request's effective priority by slot id, and the queued head's (None without one): its own priority, or,
+    once it has waited (parked, or queued) longer than ``priority_max_wait``, the highest priority present, so that
+    every wait is bounded by a setting whatever the priorities."""
+    kv = inp.kv
+    own = {s.id: s.priority or 0 for s in kv.slots if s.id_task is not None}
+    q = inp.queued
+    top = max([*own.values(), *([q.priority] if q is not None else [])], default=0)
+    eff = dict(own)
+    for slot in kv.slots:
+        since = slot.park.parked_since_ms
+        if slot.id in own and slot.state is SlotState.PARKED and since is not None:
+            if inp.now_ms - since >= cfg.priority_max_wait_ms:
+                eff[slot.id] = top
+    head = None if q is None else top if q.waited_ms >= cfg.priority_max_wait_ms else q.priority
+    return eff, head
+
+
 # --- one decision --------------------------------------------------------------------------------
 
 
@@ -441,9 +482,14 @@ class _Plan:
     budget_left: float
     host_left: float
     protected: Slot | None
+    """The largest resident request of the highest priority present: never parked, so someone finishes."""
     slots: list[Slot]
     """Every slot, by id."""
     residents: list[Slot]
+    eff: dict[int, int]
+    """Effective priorities by slot id (effective_priorities())."""
+    queued: int | None
+    """The queued head's effective priority; None: nobody waits in kvctl's queue."""
     actions: list[Action] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
 
@@ -459,6 +505,9 @@ class _Plan:
             host_left = max(0, min(available) - cfg.host_reserve_bytes)
         pool = _pool(kv)
         slots = sorted(kv.slots, key=lambda s: s.id)
+        eff, queued = effective_priorities(inp, cfg)
+        residents = [s for s in slots if s.is_resident]
+        top = max((eff.get(s.id, 0) for s in residents), default=0)
         return cls(
             cfg=cfg,
             inp=inp,
@@ -468,9 +517,11 @@ class _Plan:
             gpu_low=gpu_low,
             budget_left=max(0.0, min(cfg.budget_bytes, server_budget) - kv.parked_bytes),
             host_left=host_left,
-            protected=largest_resident(slots),
+            protected=largest_resident([s for s in residents if eff.get(s.id, 0) == top]),
             slots=slots,
-            residents=[s for s in slots if s.is_resident],
+            residents=residents,
+            eff=eff,
+            queued=queued,
         )
 
     def below_high(self) -> bool:
@@ -485,6 +536,9 @@ class _Plan:
     def history(self, slot: Slot) -> TaskHistory:
         return self.inp.history.get(_task(slot), TaskHistory())
 
+    def priority(self, slot: Slot) -> int:
+        return self.eff.get(slot.id, 0)
+
     def waited(self, slot: Slot) -> int:
         since = slot.park.parked_since_ms
         return self.inp.now_ms - since if since is not None else 0
@@ -493,9 +547,10 @@ class _Plan:
         return slot.park.count > 0 or self.history(slot).parks > 0
 
     def victims(self) -> list[Slot]:
-        """Park candidates in order: never parked before first, then newest first."""
+        """Park candidates in order: the lowest effective priority first; within one, never parked before first,
+        then newest first."""
         cands = [s for s in self.residents if s.state is SlotState.GENERATING and s.id_task is not None]
-        return sorted(cands, key=lambda s: (self.parked_before(s), -_arrival(s), -_task(s), -s.id))
+        return sorted(cands, key=lambda s: (self.priority(s), self.parked_before(s), -_arrival(s), -_task(s), -s.id))
 
     def park_mode(self, slot: Slot) -> tuple[ParkMode, ModeReason, int] | SkipReason:
         """How to park this victim now, with why and the host RAM it takes; or why it cannot be parked."""
@@ -517,14 +572,20 @@ class _Plan:
             return ParkMode.SWAP, ModeReason.FITS, n_bytes
         return (ParkMode.RECOMPUTE, why, 0) if recompute else skip
 
-    def park_until(self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool) -> bool:
-        """Park victims in order until ``done()``. With ``all_or_nothing``, nothing is planned unless it gets there."""
+    def park_until(
+        self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool, at_most: int | None = None
+    ) -> bool:
+        """Park victims in order until ``done()``, only those of effective priority ``at_most`` or lower when given.
+        With ``all_or_nothing``, nothing is planned unless it gets there."""
         saved = (replace(self.pool), self.budget_left, self.host_left, list(self.residents))
         planned: list[Action] = []
         skips: list[Skip] = []
         for slot in self.victims():
             if done():
                 break
+            if at_most is not None and self.priority(slot) > at_most:
+                skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.PRIORITY))
+                continue
             if self.protected is not None and slot.id == self.protected.id:
                 skips.append(Skip(ActionKind.PARK, slot.id, _task(slot), SkipReason.LARGEST))
                 continue
@@ -548,6 +609,7 @@ class _Plan:
                     self.pool.ratio(),
                     mode=mode,
                     mode_reason=why,
+                    priority=slot.priority or 0,
                 )
             )
         if all_or_nothing and not done():
@@ -570,6 +632,7 @@ def decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
         if plan.actions:
             return plan.decision(start)  # no restore in a decision that parks for pressure
     _restore(plan)
+    _displace(plan)
     return plan.decision(start)
 
 
@@ -586,10 +649,13 @@ def _relieve_pressure(plan: _Plan) -> None:
 def _restore(plan: _Plan) -> None:
     """Step 2: restore parked requests in the restore order, each as far as ``_restore_one`` allows."""
     blocked = head_seen = False
-    for slot in _restore_order(plan.cfg, _waiting(plan), plan.inp.now_ms):
+    for slot in _restore_order(plan, _waiting(plan)):
         if slot.cells + 1 > plan.pool.capacity():
             _cannot_fit(plan, slot)
             continue  # it can never be restored: it must not hold up the others
+        if plan.queued is not None and plan.queued > plan.priority(slot) and plan.inp.kv.n_slots_idle > 0:
+            plan.skip(ActionKind.RESUME, slot, SkipReason.PRIORITY)  # the queued request of higher priority first
+            continue
         if blocked:
             plan.skip(ActionKind.RESUME, slot, SkipReason.HEAD_OF_LINE)
             continue
@@ -613,18 +679,21 @@ def _waiting(plan: _Plan) -> list[Slot]:
     return waiting
 
 
-def _restore_order(cfg: PolicyConfig, waiting: list[Slot], now_ms: int) -> list[Slot]:
+def _restore_order(plan: _Plan, waiting: list[Slot]) -> list[Slot]:
+    """The highest effective priority first; within one priority, the order of policy.restore_order."""
+    cfg = plan.cfg
+
     def since(s: Slot) -> int:
         return s.park.parked_since_ms if s.park.parked_since_ms is not None else 0
 
     if cfg.order is RestoreOrder.FIFO:
-        return sorted(waiting, key=lambda s: (since(s), _task(s), s.id))
+        return sorted(waiting, key=lambda s: (-plan.priority(s), since(s), _task(s), s.id))
     if cfg.order is RestoreOrder.SEED:
-        return sorted(waiting, key=lambda s: (-s.park.count, since(s), _task(s), s.id))
+        return sorted(waiting, key=lambda s: (-plan.priority(s), -s.park.count, since(s), _task(s), s.id))
     # aging: the seed's order, but whoever has waited half of max_wait goes first; the seed's order alone
     # keeps a request parked once behind others parked again and again until it starves
-    aged = now_ms - cfg.max_wait_ms // 2
-    return sorted(waiting, key=lambda s: (since(s) > aged, -s.park.count, since(s), _task(s), s.id))
+    aged = plan.inp.now_ms - cfg.max_wait_ms // 2
+    return sorted(waiting, key=lambda s: (-plan.priority(s), since(s) > aged, -s.park.count, since(s), _task(s), s.id))
 
 
 def _cannot_fit(plan: _Plan, slot: Slot) -> None:
@@ -672,6 +741,7 @@ def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
             slot.park.bytes,
             plan.pool.ratio(),
             waited,
+            priority=slot.priority or 0,
         )
     )
 
@@ -683,22 +753,49 @@ def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
     def fits() -> bool:
         return slot.cells <= plan.pool.free() and plan.pool.within(plan.high, slot.cells, step)
 
-    if not fits() and not plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True):
+    made = fits() or plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True, at_most=plan.priority(slot))
+    if not made:
         return False
     _resume(plan, slot, Reason.STARVATION, waited)
     return True
 
 
-def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int) -> Admission:
-    """Whether new requests may start now (asked by the proxy), and how many: parked requests are restored first.
+def _displace(plan: _Plan) -> None:
+    """Step 3 (policy.displacement): the head of kvctl's queue has a strictly higher effective priority than running
+    requests and the pool has no room for it: park enough of them (the lowest first) that it fits below HIGH. Only
+    when no parked request of its priority or higher waits (they come back first) and a slot is free for it."""
+    q = plan.inp.queued
+    if not plan.cfg.displacement or q is None or plan.queued is None or plan.inp.kv.n_slots_idle == 0:
+        return
+    if any(a.kind is ActionKind.RESUME for a in plan.actions):
+        return  # restores first; the next poll decides again
+    parked = [s for s in plan.slots if s.state is SlotState.PARKED and not plan.history(s).pinned]
+    if any(plan.priority(s) >= plan.queued for s in parked):
+        return
+
+    def fits() -> bool:
+        return q.cells + 1 <= plan.pool.free() and plan.pool.within(plan.high, q.cells, 1)
+
+    if not fits():
+        plan.park_until(fits, Reason.DISPLACE, all_or_nothing=True, at_most=plan.queued - 1)
+
+
+def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int, priority: int | None = None) -> Admission:
+    """Whether new requests may start now (asked by the proxy), and how many: parked requests of the same effective
+    priority or higher are restored first (all of them when ``priority`` is None).
 
     The allowance is the number of new requests of ``n_prompt_cells`` each (and one cell of the next step
     each) that keep the projection below HIGH in every pool; at least one when nothing is resident, so a
     request larger than the reserve still starts on an empty pool.
     """
     kv = inp.kv
+    eff, _ = effective_priorities(inp, cfg)
     waiting = [
-        s for s in kv.slots if s.state is SlotState.PARKED and not inp.history.get(_task(s), TaskHistory()).pinned
+        s
+        for s in kv.slots
+        if s.state is SlotState.PARKED
+        and not inp.history.get(_task(s), TaskHistory()).pinned
+        and (priority is None or eff.get(s.id, 0) >= priority)
     ]
     if waiting:
         return Admission(False, "parked requests are restored first", 0)

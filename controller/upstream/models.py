@@ -139,6 +139,8 @@ class Slot(_Shape):
     request_id: str | None = None
     n_prefill_left: int = 0
     """Tokens still to evaluate before it generates: the rest of its prompt, or of a re-evaluation."""
+    priority: int | None = None
+    """Its request's priority (patch 24; higher = more important); None: idle, or a server that does not say."""
     park: ParkInfo
 
     @property
