@@ -32,6 +32,7 @@ class S:
     snapshot_bytes: int | None = None  # generating: what a swap park of it takes (the server's exact figure)
     mode: ParkMode | None = None  # parked: how (None: swap)
     recomputing: bool = False  # prompt state: resumed by recompute, evaluating its tokens again
+    priority: int | None = None  # the request's priority (patch 24); None: a server that does not say
 
 
 def kv(
@@ -82,6 +83,7 @@ def kv(
                 t_arrival_ms=s.t_arrival_ms if task is not None else None,
                 n_draft_max=s.n_draft_max,
                 n_prefill_left=s.n_prompt_left if state is SlotState.PROMPT else 0,
+                priority=s.priority if task is not None else None,
                 park=ParkInfo(
                     count=s.park_count,
                     bytes=held if state is SlotState.PARKED else 0,
