@@ -23,10 +23,10 @@ __all__ = [
     "UpstreamView",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
-3: added the slots' ``park_mode`` and ``recomputing``."""
+3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and ``effective_priority``."""
 
 
 class _Model(BaseModel):
@@ -102,6 +102,11 @@ class SlotView(_Model):
     """``swap`` or ``recompute`` for a parked request (or one evaluating its tokens again); None otherwise."""
     recomputing: bool = False
     """Resumed after a recompute park, evaluating its tokens again."""
+    priority: int | None = None
+    """Its request's priority (higher = more important); None: idle, or a server that does not say."""
+    effective_priority: int | None = None
+    """The priority the policy orders it by: its own, or the highest present once it has waited (parked) longer
+    than policy.priority_max_wait_s."""
 
 
 class LoopView(_Model):

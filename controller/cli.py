@@ -547,8 +547,16 @@ def _slot_row(slot: SlotView) -> list[str]:
         str(slot.n_decoded) if busy else "-",
         str(slot.park_count) if busy else "-",
         _duration(slot.waited_s) if slot.waited_s is not None else "-",
+        _priority(slot) if busy else "-",
         " ".join(flags),
     ]
+
+
+def _priority(slot: SlotView) -> str:
+    """Its priority, and what it counts as when that differs (aged past policy.priority_max_wait_s)."""
+    own = slot.priority if slot.priority is not None else 0
+    eff = slot.effective_priority
+    return f"{own}\u2192{eff}" if eff is not None and eff != own else str(own)
 
 
 def render_status(status: Status, *, unicode: bool = True) -> str:
@@ -563,8 +571,10 @@ def render_status(status: Status, *, unicode: bool = True) -> str:
     lines = [title, *(f"{label.ljust(width)}  {text}" for label, text in header), ""]
     if status.slots:
         rows = [_slot_row(s) for s in status.slots]
-        columns = ("slot", "state", "cells", "age", "decoded", "parks", "parked for", "")
-        lines += _table(columns, rows, right=frozenset({0, 2, 3, 4, 5, 6}))
+        columns = ("slot", "state", "cells", "age", "decoded", "parks", "parked for", "prio", "")
+        if not unicode:
+            rows = [[c.replace("\u2192", "->") for c in row] for row in rows]
+        lines += _table(columns, rows, right=frozenset({0, 2, 3, 4, 5, 6, 7}))
         if any(s.pinned or s.auto_parked for s in status.slots):
             lines.append("pinned: parked by hand, stays parked until resumed by hand; auto: parked by the server's net")
         if any(s.park_mode is not None for s in status.slots):

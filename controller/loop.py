@@ -267,7 +267,17 @@ class ControlLoop:
         kind = ActionKind.PARK if park else ActionKind.RESUME
         n_bytes = self.actuator.action_bytes(slot.id)
         pressure = self.state.decision.pressure.value if self.state.decision is not None else 0.0
-        action = Action(kind, slot.id, task, Reason.MANUAL, slot.cells, n_bytes, pressure, mode=cmd.mode)
+        action = Action(
+            kind,
+            slot.id,
+            task,
+            Reason.MANUAL,
+            slot.cells,
+            n_bytes,
+            pressure,
+            mode=cmd.mode,
+            priority=slot.priority or 0,
+        )
         outcome = await self.actuator.carry_out(action, pin=park)
         if outcome.error is not None:
             raise self._manual_error(kind, outcome.error)

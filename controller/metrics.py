@@ -23,6 +23,7 @@ def kvctl_version() -> str:
 # park and resume copy a slot's cells to or from host RAM at the next quiescent point of the server's
 # loop: milliseconds on a CPU for small pools, up to a few hundred on a GPU (see the prior art)
 _ACTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_WAIT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
 
 
@@ -63,9 +64,9 @@ class Metrics:
         )
         self.parks = Counter(
             "kvctl_parks_total",
-            "Requests parked by kvctl, by reason and mode (swap: a snapshot in host RAM; recompute: cells freed, "
-            "evaluated again on resume)",
-            ["reason", "mode"],
+            "Requests parked by kvctl, by reason, mode (swap: a snapshot in host RAM; recompute: cells freed, "
+            "evaluated again on resume) and priority class (high, normal, low: policy.priority_high_at/low_at)",
+            ["reason", "mode", "priority_class"],
             registry=r,
         )
         self.resumes = Counter("kvctl_resumes_total", "Requests resumed by kvctl, by reason", ["reason"], registry=r)
@@ -94,6 +95,13 @@ class Metrics:
                 self.action_failures.labels(action=action, status=status)
         self.park_seconds = Histogram(
             "kvctl_park_duration_seconds", "Round trip of a park request", buckets=_ACTION_BUCKETS, registry=r
+        )
+        self.restore_wait_seconds = Histogram(
+            "kvctl_restore_wait_seconds",
+            "How long each request kvctl restored had waited parked, by priority class",
+            ["priority_class"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
         )
         self.resume_seconds = Histogram(
             "kvctl_resume_duration_seconds", "Round trip of a resume request", buckets=_ACTION_BUCKETS, registry=r

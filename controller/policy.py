@@ -195,6 +195,11 @@ class PolicyConfig:
     priority_max_wait_ms: int = 120_000
     """A request parked (or queued) longer than this counts as the highest priority present."""
     displacement: bool = True
+    priority_high_at: int = 1
+    priority_low_at: int = -1
+
+    def priority_class(self, priority: int) -> str:
+        return priority_class(priority, self.priority_high_at, self.priority_low_at)
 
     @classmethod
     def from_settings(cls, s: PolicySettings) -> PolicyConfig:
@@ -209,6 +214,8 @@ class PolicyConfig:
             gpu_floor_bytes=s.gpu_headroom_mib * MiB,
             priority_max_wait_ms=int(s.priority_max_wait_s * 1000),
             displacement=s.displacement,
+            priority_high_at=s.priority_high_at,
+            priority_low_at=s.priority_low_at,
         )
 
 

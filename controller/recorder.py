@@ -170,7 +170,8 @@ class Recorder:
         self.state.history[r.id_task] = replace(old, pinned=old.pinned or pin)
         # the server's word on the mode; one that does not say it is an older server, which swaps only
         mode = r.mode or a.mode or ParkMode.SWAP
-        self.metrics.parks.labels(reason=str(a.reason), mode=str(mode)).inc()
+        cls = self.config.priority_class(a.priority)
+        self.metrics.parks.labels(reason=str(a.reason), mode=str(mode), priority_class=cls).inc()
         self.metrics.park_seconds.observe(seconds)
         log.info(
             "park.done",
@@ -181,6 +182,7 @@ class Recorder:
             copy_ms=r.timings.copy_ms,
             park_count=r.park_count,
             pinned=pin,
+            priority=a.priority,
         )
 
     def resumed(self, a: Action, r: ResumeResult, seconds: float, fields: dict[str, object]) -> None:
@@ -189,6 +191,9 @@ class Recorder:
             self.state.history[r.id_task] = replace(old, pinned=False)
         self.state.resumes += 1
         self.metrics.resumes.labels(reason=str(a.reason)).inc()
+        if a.waited_ms is not None:
+            cls = self.config.priority_class(a.priority)
+            self.metrics.restore_wait_seconds.labels(priority_class=cls).observe(a.waited_ms / 1000)
         self.metrics.resume_seconds.observe(seconds)
         log.info(
             "restore.done",
@@ -198,6 +203,7 @@ class Recorder:
             resume_ms=r.timings.resume_ms,
             parked_ms=r.t_parked_ms,
             waited_ms=a.waited_ms,
+            priority=a.priority,
         )
 
     def failed(self, kind: ActionKind, e: UpstreamError, fields: dict[str, object]) -> None:

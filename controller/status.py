@@ -15,7 +15,7 @@ from controller.admin_models import (
     SupervisorView,
     UpstreamView,
 )
-from controller.policy import PolicyConfig, pressure
+from controller.policy import PolicyConfig, PolicyInput, effective_priorities, pressure
 from controller.probes.gpu import GpuState
 from controller.state import LoopState
 from controller.supervisor import SupervisorState, SupervisorStatus
@@ -79,6 +79,7 @@ def build_status(
                 kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else config.budget_bytes,
             ),
         )
+        eff, _ = effective_priorities(PolicyInput(kv=kv, now_ms=now_ms), config)
         for s in kv.slots:
             since = s.park.parked_since_ms if s.state is SlotState.PARKED else None
             history = state.history.get(s.id_task) if s.id_task is not None else None
@@ -99,6 +100,8 @@ def build_status(
                     auto_parked=s.park.auto,
                     park_mode=str(s.park.mode) if s.park.mode is not None else None,
                     recomputing=s.park.recomputing,
+                    priority=s.priority,
+                    effective_priority=eff.get(s.id) if s.id_task is not None else None,
                 )
             )
     sup = None

@@ -141,7 +141,7 @@ def parked() -> Status:
     return healthy(
         pool=pool(n_parked=2, parked_bytes=GiB, above_high_s=3.0, projected_draft=0.65),
         slots=[
-            slot(0, "generating", n_cells=5000, n_decoded=900),
+            slot(0, "generating", n_cells=5000, n_decoded=900, priority=5, effective_priority=5),
             slot(1, "parked", n_cells=1200, n_decoded=800, park_count=2, waited_s=12.3, pinned=True, park_mode="swap"),
             slot(
                 2,
@@ -152,6 +152,8 @@ def parked() -> Status:
                 waited_s=190.0,
                 auto_parked=True,
                 park_mode="recompute",
+                priority=-3,
+                effective_priority=5,
             ),
             slot(3),
             slot(4, "prompt", n_cells=300, n_decoded=12, park_count=1, park_mode="recompute", recomputing=True),
@@ -220,10 +222,11 @@ def test_healthy_view() -> None:
         "decoded",
         "parks",
         "parked for",
+        "prio",
     ]
-    assert row(text, 0) == ["0", "generating", "3000", "1m 04s", "1520", "0", "-"]
-    assert row(text, 1) == ["1", "prompt", "2816", "500 ms", "0", "0", "-"]
-    assert row(text, 2) == ["2", "idle", "-", "-", "-", "-", "-"]
+    assert row(text, 0) == ["0", "generating", "3000", "1m 04s", "1520", "0", "-", "0"]
+    assert row(text, 1) == ["1", "prompt", "2816", "500 ms", "0", "0", "-", "0"]
+    assert row(text, 2) == ["2", "idle", "-", "-", "-", "-", "-", "-"]
     assert "pinned:" not in text, "the flags legend only when a slot has a flag"
 
 
@@ -255,11 +258,12 @@ def test_parked_slots_view() -> None:
     assert line(text, "parked").endswith("2 requests, 1.0 GiB of 8.0 GiB budget (12.5 %)")
     projected = line(text, "projected")
     assert "target 73 %  draft 65 %" in projected and "at or above HIGH for 3.0 s" in projected
-    assert row(text, 0) == ["0", "generating", "5000", "1m 05s", "900", "0", "-"]
-    assert row(text, 1) == ["1", "parked", "1200", "1m 05s", "800", "2", "12.3 s", "pinned swap"]
-    assert row(text, 2) == ["2", "parked", "700", "1m 05s", "40", "1", "3m 10s", "auto recompute"]
-    assert row(text, 3) == ["3", "idle", "-", "-", "-", "-", "-"]
-    assert row(text, 4) == ["4", "prompt", "300", "1m 05s", "12", "1", "-", "re-evaluating"]
+    assert row(text, 0) == ["0", "generating", "5000", "1m 05s", "900", "0", "-", "5"]
+    assert row(text, 1) == ["1", "parked", "1200", "1m 05s", "800", "2", "12.3 s", "0", "pinned swap"]
+    assert row(text, 2) == ["2", "parked", "700", "1m 05s", "40", "1", "3m 10s", "-3\u21925", "auto recompute"]
+    assert row(text, 3) == ["3", "idle", "-", "-", "-", "-", "-", "-"]
+    assert row(text, 4) == ["4", "prompt", "300", "1m 05s", "12", "1", "-", "0", "re-evaluating"]
+    assert "-3->5" in render_status(parked(), unicode=False), "aged past priority_max_wait_s: counts as the top"
     assert text.splitlines()[-2].startswith("pinned: parked by hand")
     assert text.splitlines()[-1].startswith("swap: its cells wait in host RAM; recompute:")
 
