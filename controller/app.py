@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from controller.admin import make_admin_app
 from controller.loop import ControlLoop
 from controller.metrics import Metrics
-from controller.policy import pressure
+from controller.policy import QueuedRequest, pressure
 from controller.probes import GpuProbe
 from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
 from controller.proxy.app import PROXY_KEY, Proxy, run_site, tls_context
@@ -172,6 +172,14 @@ class App:
             empty=verdict.empty,
         )
 
+    def _queued_head(self) -> QueuedRequest | None:
+        """The head of the proxy's admission queue, for the policy (displacement, restores held for it)."""
+        head = self.proxy.queue.head() if self.proxy is not None else None
+        if head is None:
+            return None
+        priority, cells, waited_s = head
+        return QueuedRequest(priority, cells, int(waited_s * 1000))
+
     def endpoint_sample(self) -> EndpointSample:
         """The endpoint picker's numbers (controller.proxy.endpoint_metrics), from the latest poll and the proxy."""
         state = self.loop.state
@@ -214,9 +222,15 @@ class App:
             retry_after_s=p.retry_after_s,
             reserve_cells=p.admission_reserve_cells,
             predict_route=predict_route_from_env(),
+            client_priority=p.client_priority,
+            objective_priorities=dict(p.objective_priorities),
+            priority_max_wait_s=self.settings.policy.priority_max_wait_s,
+            priority_high_at=self.settings.policy.priority_high_at,
+            priority_low_at=self.settings.policy.priority_low_at,
         )
         self.loop.add_poll_listener(self._update_gate)
         self.loop.add_poll_listener(self._check_hung)
+        self.loop.queued = self._queued_head
         self.gate.on_wait = self.loop.poll_soon
         host, port = split_host_port(p.listen)
         app = make_proxy_app(config, self.gate, self.metrics.registry)

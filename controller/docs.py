@@ -19,7 +19,8 @@ __all__ = ["metrics_table", "routes_table", "settings_table"]
 
 WHAT_KIND_MEANS = {
     Kind.GENERATION: (
-        "admission, kvctl's `X-Request-Id`, heartbeats while queued or parked, errors in the route's framing"
+        "admission by priority, kvctl's `X-Request-Id` and the effective `X-Priority`, heartbeats while queued or "
+        "parked, errors in the route's framing"
     ),
     Kind.PRIVATE: "refused (404) unless `proxy.expose_private_routes`; `GET /metrics` is kvctl's own endpoint gauges "
     "(docs/scaling.md), never the server's",

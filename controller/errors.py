@@ -45,6 +45,8 @@ class Code(StrEnum):
     INVALID_HEADER = "invalid_header"
     INVALID_PATH = "invalid_path"
     INVALID_PREDICT = "invalid_predict"
+    INVALID_PRIORITY = "invalid_priority"
+    """A priority (the body's `priority`, `X-Priority`) that is not an int32."""
     CONVERSATION_TAKEN = "conversation_taken"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"

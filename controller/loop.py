@@ -30,9 +30,11 @@ from controller.policy import (
     Admission,
     PolicyConfig,
     PolicyInput,
+    QueuedRequest,
     Reason,
     admission,
     decide,
+    effective_priorities,
 )
 from controller.poller import Clock, Poller
 from controller.probes import GpuProbe, HostMemory, read_host_memory
@@ -95,6 +97,9 @@ class ControlLoop:
         self._clock_ms = clock_ms
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._poll_listeners: list[Callable[[], object]] = []
+        self.queued: Callable[[], QueuedRequest | None] = lambda: None
+        """The head of the proxy's admission queue (set by the App): the policy may displace lower priorities for it,
+        and holds back restores of lower ones while it waits."""
 
     # --- public ----------------------------------------------------------------------------------
 
@@ -130,7 +135,9 @@ class ControlLoop:
         return self.actuator.action_timeout_s(n_bytes)
 
     def admission(self, n_prompt_cells: int) -> Admission | None:
-        """What the policy says about a new request now, from the last answered poll; None while the server is down."""
+        """What the policy says about a new request now, from the last answered poll; None while the server is down.
+        Parked requests of the queued head's effective priority or higher are restored first; with nobody queued,
+        all of them."""
         kv = self.state.snapshot
         if kv is None or not self.state.upstream_up:
             return None
@@ -138,7 +145,9 @@ class ControlLoop:
             # parked requests keep their slots: a request the server has no slot for would wait inside the
             # server, invisible to the queue
             return Admission(False, "no idle slot", 0)
-        verdict = admission(self._input(kv), self.config, n_prompt_cells)
+        inp = self._input(kv)
+        _, head = effective_priorities(inp, self.config)
+        verdict = admission(inp, self.config, n_prompt_cells, priority=head)
         if verdict.allowance is None or verdict.allowance > kv.n_slots_idle:
             return replace(verdict, allowance=kv.n_slots_idle)
         return verdict
@@ -210,6 +219,7 @@ class ControlLoop:
             history=dict(self.state.history),
             host_available_bytes=host.available_bytes,
             gpu_free_bytes=room.free_bytes,
+            queued=self.queued(),
         )
 
     async def read_gpu(self) -> None:

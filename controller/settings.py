@@ -138,10 +138,11 @@ class ApiKeyEntry(_Group):
     """What logs and metrics show for requests with this key."""
 
     priority: int | None = None
-    """The priority of this key's requests (read by a later release)."""
+    """The priority of this key's requests when they ask for none (higher = more important); at most `max_priority`."""
 
     max_priority: int | None = None
-    """The highest priority this key's requests may ask for (read by a later release)."""
+    """The highest priority this key's requests may have: what they ask for (the body's `priority`, `X-Priority`, the
+    objective header) is capped to it."""
 
 
 class MetricsCompat(StrEnum):
@@ -177,10 +178,11 @@ class ProxySettings(_Group):
 
     api_keys: list[SecretStr | ApiKeyEntry] = Field(default_factory=list)
     """kvctl's own API keys: each a key string or a table `{key, name, priority, max_priority}` (`name` is what logs
-    and metrics show, by default `api_keys[N]`; the priorities are read by a later release). Set: every request but
-    `/health`, `/v1/health` and `OPTIONS` needs one, checked as llama-server checks its `--api-key`, and the server's
-    own key (`upstream.api_key`) goes in its place on the relayed request. Unset: a server with `upstream.api_key`
-    checks the client's own credentials before the request can queue."""
+    and metrics show, by default `api_keys[N]`; `priority` is the default priority of its requests, `max_priority`
+    caps what they ask for: docs/proxy.md, Priorities). Set: every request but `/health`, `/v1/health` and `OPTIONS`
+    needs one, checked as llama-server checks its `--api-key`, and the server's own key (`upstream.api_key`) goes in
+    its place on the relayed request. Unset: a server with `upstream.api_key` checks the client's own credentials
+    before the request can queue."""
 
     api_keys_file: Path | None = None
     """More keys, one a line: `key [name]` (like llama-server's `--api-key-file`) or the table form as inline JSON;
@@ -217,7 +219,7 @@ class ProxySettings(_Group):
     llm-d's objective header). Off: every request gets 0. With keys, each key's `max_priority` caps what its clients
     may ask for, and its `priority` is their default."""
 
-    objective_priorities: dict[str, int] = Field(default_factory=dict)
+    objective_priorities: dict[str, Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]] = Field(default_factory=dict)
     """llm-d's objective header (`x-llm-d-inference-objective`, the InferenceObjective's name) to a priority, e.g.
     `{"interactive": 10, "batch": -10}`; an objective not listed sets none."""
 

@@ -1,4 +1,4 @@
-"""Admission: new generation requests wait in a bounded FIFO while the policy says hold.
+"""Admission: new generation requests wait in a bounded queue, by priority, while the policy says hold.
 
 The gate is set by the control loop (from its latest /kv snapshot and the policy); the proxy
 only reads it. Without a controller the gate stays open.
@@ -114,38 +114,81 @@ class AdmissionGate:
             self.on_wait()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
     fut: asyncio.Future[None]
     cells: int
+    priority: int
+    seq: int  # arrival order
+    since: float  # the queue's clock when it arrived
 
 
 class AdmissionQueue:
-    """FIFO of requests waiting for the gate; admitted in order, as many as each poll has room for."""
+    """Requests waiting for the gate, admitted one at a time in order, as many as each poll has room for.
 
-    def __init__(self, gate: AdmissionGate, depth: int, timeout_s: float) -> None:
+    The order: the highest priority first, first come first served within a priority; a request that has waited
+    longer than ``max_wait_s`` counts as the highest priority present, so every wait is bounded whatever the
+    priorities (among such requests, first come first served). The head holds back every request behind it,
+    whatever their sizes: a large prompt is never starved by a stream of small ones, and a low-priority one only by
+    requests of higher priority for at most ``max_wait_s``."""
+
+    def __init__(
+        self,
+        gate: AdmissionGate,
+        depth: int,
+        timeout_s: float,
+        max_wait_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.gate = gate
         self.depth = depth
         self.timeout_s = timeout_s
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._waiters: list[_Waiter] = []
+        self._seq = 0
         self._pump: asyncio.Task[None] | None = None
+        self._reordered = asyncio.Event()  # the head may have changed without the gate changing
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, cells: int = 0) -> None:
-        """Return when a request needing ``cells`` may go upstream; raise QueueFull or QueueTimeout.
+    def _head(self) -> _Waiter | None:
+        waiters = [w for w in self._waiters if not w.fut.done()]
+        if not waiters:
+            return None
+        now = self._clock()
+        top = max(w.priority for w in waiters)
 
-        First come, first served: a large prompt at the head holds back smaller ones behind it, so it
-        is never starved by a stream of small ones."""
+        def rank(w: _Waiter) -> tuple[int, int]:
+            aged = now - w.since > self.max_wait_s
+            return (-(top if aged else w.priority), w.seq)
+
+        return min(waiters, key=rank)
+
+    def head(self) -> tuple[int, int, float] | None:
+        """The request admitted next: (its priority, the cells it needs, seconds it has waited); None when none
+        waits. The priority is the request's own: one that has waited past ``max_wait_s`` is ahead of requests of
+        higher priority here, and counting it as the highest present elsewhere is the caller's call (it has the
+        seconds waited)."""
+        w = self._head()
+        if w is None:
+            return None
+        return w.priority, w.cells, max(0.0, self._clock() - w.since)
+
+    async def admit(self, cells: int = 0, priority: int = 0) -> None:
+        """Return when a request needing ``cells``, of ``priority``, may go upstream; raise QueueFull or
+        QueueTimeout."""
         if not self._waiters and self.gate.take(cells):
             return
         if len(self._waiters) >= self.depth:
             raise QueueFull(f"admission queue is full ({self.depth} waiting)")
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), cells)
+        self._seq += 1
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), cells, priority, self._seq, self._clock())
         self._waiters.append(waiter)
         self._ensure_pump()
+        self._reordered.set()
         try:
             async with asyncio.timeout(self.timeout_s):
                 await waiter.fut
@@ -154,29 +197,38 @@ class AdmissionQueue:
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+                self._reordered.set()
 
     def _ensure_pump(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run(), name="kvctl-admission-pump")
 
     async def _run(self) -> None:
-        # releases the head of the queue while the gate lets requests through; otherwise waits for
-        # the gate to change, asking for a fresh poll once per head (after that, the loop's own
-        # cadence: a head that does not fit must not turn polling into a busy loop)
+        # releases the head of the queue while the gate lets requests through; otherwise waits for the gate to
+        # change, or for the head to change (an arrival of higher priority, a head that left), asking for a fresh
+        # poll once per head (after that, the loop's own cadence: a head that does not fit must not turn polling
+        # into a busy loop)
         asked: _Waiter | None = None
-        while self._waiters:
-            head = self._waiters[0]
-            if head.fut.done():  # its client left or it timed out
-                self._waiters.popleft()
-                continue
+        while True:
+            self._waiters = [w for w in self._waiters if not w.fut.done()]  # clients that left, or timed out
+            head = self._head()
+            if head is None:
+                return
             if self.gate.take(head.cells):
-                self._waiters.popleft()
+                self._waiters.remove(head)
                 head.fut.set_result(None)
                 continue
             if asked is not head:
                 asked = head
                 self.gate.want_poll()
-            await self.gate.wait_changed()
+            self._reordered.clear()
+            gate_changed = asyncio.ensure_future(self.gate.wait_changed())
+            reordered = asyncio.ensure_future(self._reordered.wait())
+            try:
+                await asyncio.wait((gate_changed, reordered), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gate_changed.cancel()
+                reordered.cancel()
 
     async def close(self) -> None:
         if self._pump is not None:

@@ -2,8 +2,9 @@
 authentication rules.
 
 Every request is authenticated first (``controller.proxy.auth``), then classified by the pinned server's
-route table (``controller.proxy.routes``): generation routes pass admission, get their own X-Request-Id
-(so the controller knows which slot serves which stream: llama-server echoes it in /slots) and heartbeats
+route table (``controller.proxy.routes``): generation routes get their effective priority
+(``controller.proxy.priority``), pass admission in priority order, get their own X-Request-Id (so the controller
+knows which slot serves which stream: llama-server echoes it in /slots), the effective X-Priority, and heartbeats
 while queued or parked; the controller's private routes are refused; everything else is relayed as it
 is. Every response is streamed as it arrives. SSE streams are relayed event by event, byte for byte;
 what kvctl itself says on a stream (a heartbeat, an error) comes between complete events and in the
@@ -22,7 +23,7 @@ import json
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -39,11 +40,20 @@ from controller.httputil import unsupported_expect
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
 from controller.proxy.auth import PUBLIC_PATHS, UNAUTHORIZED_BODY, Answer, ApiKey, Identity, KeyRing, ServerCheck
 from controller.proxy.endpoint_metrics import CONTENT_TYPE, EndpointMetrics
+from controller.proxy.priority import (
+    PRIORITY_HEADER,
+    InvalidPriority,
+    Priority,
+    PriorityRules,
+    priority_label,
+    resolve_priority,
+)
 from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 
 log = structlog.get_logger("kvctl.proxy")
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvctl_request_id", default=None)
+_priority: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvctl_priority", default=None)
 access_log = structlog.get_logger("kvctl.access")
 
 HOP_BY_HOP = frozenset(
@@ -89,6 +99,11 @@ class ProxyConfig:
     reserve_cells: int = 512  # the least a new request is assumed to need (admission_reserve_cells)
     predict_route: str | None = None  # the Vertex AI predict route, when the server registers one
     auth_cache_s: float = 5.0  # how long the server's acceptance of a credential is kept
+    client_priority: bool = True  # without kvctl keys: whether clients may set priorities (proxy.client_priority)
+    objective_priorities: Mapping[str, int] = field(default_factory=dict)  # llm-d objective -> priority
+    priority_max_wait_s: float = 120.0  # a request queued longer counts as the highest priority present
+    priority_high_at: int = 1  # the priority_class label's thresholds (policy.priority_high_at, priority_low_at)
+    priority_low_at: int = -1
 
 
 @dataclass(eq=False)
@@ -108,6 +123,9 @@ class Inflight:
         if self.upstream is not None:
             self.upstream.close()  # a pending read raises ClientConnectionError at once
 
+
+# the values of the priority_class label (controller.policy.priority_class)
+PRIORITY_CLASSES = ("high", "normal", "low")
 
 # the stages kvctl_proxy_stream_errors counts (kvctl's reason codes of streams it ended)
 STREAM_ERROR_STAGES = (
@@ -140,10 +158,13 @@ class ProxyMetrics:
         self.queued = Gauge("kvctl_proxy_queued_requests", "Requests waiting for admission", registry=r)
         self.admission_wait = Histogram(
             "kvctl_proxy_admission_wait_seconds",
-            "Time waiting for admission",
+            "Time waiting for admission, by priority class (high, normal, low: policy.priority_high_at, low_at)",
+            ["priority_class"],
             registry=r,
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
         )
+        for cls in PRIORITY_CLASSES:
+            self.admission_wait.labels(priority_class=cls)
         self.ttft = Histogram(
             "kvctl_proxy_time_to_first_token_seconds",
             "Time to first token as the client sees it",
@@ -321,7 +342,8 @@ class Proxy:
     def __init__(self, config: ProxyConfig, gate: AdmissionGate, registry: CollectorRegistry) -> None:
         self.config = config
         self.gate = gate
-        self.queue = AdmissionQueue(gate, config.queue_depth, config.queue_timeout_s)
+        self.queue = AdmissionQueue(gate, config.queue_depth, config.queue_timeout_s, config.priority_max_wait_s)
+        self.priority_rules = PriorityRules(config.client_priority, config.objective_priorities)
         self.metrics = ProxyMetrics(registry)
         self.inflight: dict[str, Inflight] = {}  # generation requests
         self.endpoint: EndpointMetrics | None = None
@@ -397,8 +419,12 @@ class Proxy:
     ) -> dict[str, str]:
         # kvctl's keys are kvctl's: they never reach the server; the server's key goes only on what kvctl verified
         own_keys = bool(self.keys)
+        # X-Priority: kvctl sets the effective one on a generation request (the caller, once it is known), and the
+        # server reads it over the body's; on anything else a client's has no business reaching the server
         drop = (
-            HOP_BY_HOP | {"x-request-id", "x-park-lease", "content-length"} | (set(CREDENTIALS) if own_keys else set())
+            HOP_BY_HOP
+            | {"x-request-id", "x-park-lease", "content-length", PRIORITY_HEADER.lower()}
+            | (set(CREDENTIALS) if own_keys else set())
         )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         if request_id is not None:
@@ -517,6 +543,7 @@ class Proxy:
         self._idle.clear()
         t0 = time.monotonic()
         _request_id.set(None)
+        _priority.set(None)
         status = 499  # the client went away before an answer
         ident: Identity | None = None
         try:
@@ -541,6 +568,7 @@ class Proxy:
                     duration_ms=round((time.monotonic() - t0) * 1000, 1),
                     request_id=_request_id.get(),
                     key=ident.name if ident is not None else None,
+                    priority=_priority.get(),
                 )
 
     async def dispatch(self, request: web.Request) -> tuple[web.StreamResponse, Identity | None]:
@@ -691,7 +719,18 @@ class Proxy:
             return await self.kvctl_error(
                 request, 400, "a predict instance may only target a completion or a relayed route", Code.INVALID_PREDICT
             )
+        try:
+            priority = resolve_priority(
+                payload if isinstance(payload, dict) else None,
+                request.headers,
+                ident.key if ident is not None else None,
+                self.priority_rules,
+            )
+        except InvalidPriority as e:
+            return await self.kvctl_error(request, 400, str(e), Code.INVALID_PRIORITY)
+        _priority.set(priority.value)
         headers = self.upstream_headers(request, request_id, ident, generation=True)
+        headers[PRIORITY_HEADER] = str(priority.value)
         if not multipart and not too_deep and (not isinstance(payload, dict) or refused_by_server(route.path, payload)):
             # malformed: the server answers it at once, exactly as it would without kvctl; it takes no cells, so it
             # must not wait in the admission queue for a slot it would never use
@@ -721,6 +760,8 @@ class Proxy:
             route=route.path,
             stream=stream,
             conversation=bool(conversation),
+            priority=priority.value,
+            priority_source=priority.source,
         )
         try:
             t_queue = time.monotonic()
@@ -731,12 +772,14 @@ class Proxy:
                 # a resumable stream's bytes are counted by its client: nothing of kvctl's own goes into it
                 if conversation:
                     early = None
-                    await self.admit_conversation(request.method, request.raw_path, body, headers, cells)
+                    await self.admit_conversation(request.method, request.raw_path, body, headers, cells, priority)
                 else:
-                    early = await self.wait_for_admission(request, stream, cells, route, entry)
+                    early = await self.wait_for_admission(request, stream, cells, route, entry, priority)
             except AdmissionRefused as e:
                 return await self.refuse(request, route, e.prepared, str(e.__cause__), e.code)
-            self.metrics.admission_wait.observe(time.monotonic() - t_queue)
+            self.metrics.admission_wait.labels(priority_class=self.priority_class_of(priority.value)).observe(
+                time.monotonic() - t_queue
+            )
             entry.state = "upstream"
             return await self.forward(
                 request,
@@ -754,6 +797,10 @@ class Proxy:
             self.inflight.pop(request_id, None)
             self.metrics.inflight.dec()
 
+    def priority_class_of(self, priority: int) -> str:
+        """The priority_class label of a priority (high, normal, low): never the number itself."""
+        return priority_label(priority, self.config.priority_high_at, self.config.priority_low_at)
+
     def predict_refused(self, payload: dict[str, Any]) -> bool:
         """A predict request with an instance aimed at a private, conversation or control route (the server
         dispatches each instance to any registered handler named by its @requestFormat)."""
@@ -769,7 +816,7 @@ class Proxy:
         return False
 
     async def admit_conversation(
-        self, method: str, path_qs: str, body: bytes, headers: dict[str, str], cells: int
+        self, method: str, path_qs: str, body: bytes, headers: dict[str, str], cells: int, priority: Priority
     ) -> None:
         """Admission for a resumable stream. Its request keeps going when the client hangs up (the server's
         contract: the WebUI reconnects and finds it with /v1/streams/lookup), so a client that leaves while it is
@@ -777,7 +824,7 @@ class Proxy:
         if self.queue.queued == 0 and self.gate.take(cells):
             return
         self.metrics.queued.inc()
-        admit = asyncio.ensure_future(self.queue.admit(cells))
+        admit = asyncio.ensure_future(self.queue.admit(cells, priority.value))
         admit.add_done_callback(lambda _: self.metrics.queued.dec())
         try:
             await asyncio.shield(admit)
@@ -819,7 +866,7 @@ class Proxy:
         return await self.kvctl_error(request, 503, message, code, self.config.retry_after_s)
 
     async def wait_for_admission(
-        self, request: web.Request, stream: bool, cells: int, route: Route, entry: Inflight
+        self, request: web.Request, stream: bool, cells: int, route: Route, entry: Inflight, priority: Priority
     ) -> web.StreamResponse | None:
         """Queue while the gate holds; a streaming client waiting past the grace period gets
         SSE headers and heartbeats, so neither it nor a reverse proxy in between times out. kvctl ending the
@@ -827,7 +874,7 @@ class Proxy:
         if self.queue.queued == 0 and self.gate.take(cells):
             return None
         self.metrics.queued.inc()
-        admit = asyncio.ensure_future(self.queue.admit(cells))
+        admit = asyncio.ensure_future(self.queue.admit(cells, priority.value))
         try:
             prepared: web.StreamResponse | None = None
             deadline = time.monotonic() + self.config.queue_grace_s

@@ -50,8 +50,8 @@ _BEARER = "Bearer "
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """One of kvctl's keys. ``name`` is what logs and metrics show; the priorities are read by a later issue
-    (accepted and documented now, so the schema never changes)."""
+    """One of kvctl's keys. ``name`` is what logs and metrics show; ``priority`` is the default priority of its
+    requests, ``max_priority`` the most they may have (controller/proxy/priority.py)."""
 
     key: str
     name: str
@@ -91,13 +91,20 @@ def parse_key_entry(entry: Any, where: str) -> ApiKey:
     name = entry.get("name", where)
     if not isinstance(name, str) or not name:
         raise KeyFileError(f"{where}: 'name' must be a non-empty string")
+    # imported here: settings imports this module, and policy imports settings
+    from controller.policy import INT32_MAX, INT32_MIN
+
     prio: dict[str, int | None] = {}
     for f in ("priority", "max_priority"):
         v = entry.get(f)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise KeyFileError(f"{where}: {f!r} must be an integer")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not INT32_MIN <= v <= INT32_MAX):
+            raise KeyFileError(f"{where}: {f!r} must be an integer in [{INT32_MIN}, {INT32_MAX}]")
         prio[f] = v
-    return ApiKey(key, name, prio["priority"], prio["max_priority"])
+    default, cap = prio["priority"], prio["max_priority"]
+    if default is not None and cap is not None and default > cap:
+        # the key's own requests would be capped below the default it names: a contradiction, not a choice
+        raise KeyFileError(f"{where}: 'priority' ({default}) is above 'max_priority' ({cap})")
+    return ApiKey(key, name, default, cap)
 
 
 def read_key_file(path: Path) -> list[ApiKey]:

@@ -58,6 +58,9 @@ def test_key_entries_and_files(tmp_path: Path) -> None:
         ({"name": "n"}, "'key'"),
         ({"key": "k", "prio": 1}, "unknown"),
         ({"key": "k", "priority": "1"}, "integer"),
+        ({"key": "k", "priority": True}, "integer"),
+        ({"key": "k", "max_priority": 2**31}, r"integer in \[-2147483648, 2147483647\]"),
+        ({"key": "k", "priority": 3, "max_priority": 2}, r"'priority' \(3\) is above 'max_priority' \(2\)"),
         (3, "expected"),
     ):
         with pytest.raises(KeyFileError, match=msg):
