@@ -44,10 +44,17 @@ when a restore is weighed, whichever mode it was parked by.
   ``max_wait`` or longer go ahead of the others. A request parked again soon after its resume
   comes back first, as in the seed; one that has waited long is not kept behind it. ``seed`` is
   the seed's order alone; ``fifo`` is head-of-line by park time (nobody overtakes the head).
+* Priorities (higher = more important): victims go lowest effective priority first, then as above, and the
+  protected request is the largest resident one of the highest priority present; restores go highest first,
+  then in the restore order. A request parked (or queued in kvctl) longer than ``priority_max_wait`` counts as
+  the highest priority present. The head of kvctl's admission queue holds back restores of lower priorities
+  while a slot is free for it and, when the pool has no room for it, displaces running requests of strictly lower
+  priority (``displacement``).
 * No request waits forever: when nothing is resident, the head is restored if it fits the pool
   alone; when the head has waited longer than ``max_wait``, it is restored below HIGH, LOW
   notwithstanding, parking newer requests to make room if it must (never the largest: someone must
-  be able to finish). A request that cannot fit the pool even alone is ended.
+  be able to finish; never one of higher priority than the head). A request that cannot fit the pool even alone
+  is ended.
 """
 
 from __future__ import annotations

@@ -309,6 +309,32 @@ def panels() -> list[Panel]:
     )
     L.add(
         timeseries(
+            "By priority class",
+            "Parks per second by priority class (high: at or above policy.priority_high_at, low: at or below "
+            "policy.priority_low_at), and the p90 of how long restored requests had waited parked and of the "
+            "admission wait, by class: the low class waits, the high class should not.",
+            ["kvctl_parks_total", "kvctl_restore_wait_seconds_bucket", "kvctl_proxy_admission_wait_seconds_bucket"],
+            [
+                (
+                    f"sum by (replica, priority_class) (rate(kvctl_parks_total{{{R}}}[{RI}]))",
+                    "{{replica}} parks {{priority_class}}",
+                ),
+                (
+                    "histogram_quantile(0.9, sum by (replica, priority_class, le) "
+                    f"(rate(kvctl_restore_wait_seconds_bucket{{{R}}}[{RI}])))",
+                    "{{replica}} p90 parked wait {{priority_class}} (s)",
+                ),
+                (
+                    "histogram_quantile(0.9, sum by (replica, priority_class, le) "
+                    f"(rate(kvctl_proxy_admission_wait_seconds_bucket{{{R}}}[{RI}])))",
+                    "{{replica}} p90 admission wait {{priority_class}} (s)",
+                ),
+            ],
+            "short",
+        )
+    )
+    L.add(
+        timeseries(
             "Parks by mode",
             "Parks per second by swap (a copy of the cells in host RAM) and by recompute (the cells freed, "
             "evaluated again on resume: chosen when a snapshot does not fit the budget or host RAM, or costs more "
