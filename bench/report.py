@@ -54,7 +54,10 @@ SECTIONS = [
         "The real `decide()` and `admission()` on a step-exact model of the server (one cell per generating "
         "request per decode step, prompts in 512-token chunks, the controller polling every 16 steps, ~50 ms), "
         "so both restore orders are compared on the same clock, in decode steps: the pressure workloads "
-        "themselves, then seeded random mixes of 4 to 16 requests.",
+        "themselves, then seeded random mixes of 4 to 16 requests. New requests wait in kvctl's admission queue "
+        "(highest priority first, first come first served within). The last table (issue 20, "
+        "`--only priority` alone) runs priority workloads twice, with their priorities and with every priority 0: "
+        "how soon the high-priority requests finish, how long the low ones wait, and aging bounding that wait.",
     ),
     (
         "park_cost.md",
