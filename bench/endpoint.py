@@ -27,11 +27,10 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import build, model, pct, placement, save, server, table
 from bench.kvctl_stack import stack_admin, start_stack
-from controller.proxy.endpoint_metrics import VLLM_NAMES, EndpointMetrics, EndpointSample
+from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from tests.integration.llama import NO_BYTE_TOKENS
 
 SCRAPE_EVERY_S = 0.05  # llm-d's --refresh-metrics-interval
@@ -107,15 +106,6 @@ def parks(url: str) -> int:
         return int(json.load(r)["loop"]["parks"])
 
 
-async def gauges_pick(http: aiohttp.ClientSession, replicas: list[str]) -> str:
-    scores = []
-    for url in replicas:
-        async with http.get(url + "/metrics") as resp:
-            v = {f.name: f.samples[0].value for f in text_string_to_metric_families(await resp.text())}
-        scores.append((v[VLLM_NAMES["kv_usage"]], v[VLLM_NAMES["queued"]], url))
-    return min(scores)[2]
-
-
 async def workload(
     http: aiohttp.ClientSession, pick: Callable[[], Awaitable[str]], n: int, tokens: int, gap_s: float
 ) -> tuple[list[float], dict[str, int]]:
@@ -152,7 +142,7 @@ async def routing(kind: str, n: int, tokens: int, gap_s: float) -> str:
                 return next(rr)
 
             async def by_gauges() -> str:
-                return await gauges_pick(http, urls)
+                return await pick(http, urls)
 
             for name, pick in (("round robin", round_robin), ("kvctl gauges", by_gauges)):
                 before = sum(parks(u) for u in urls)

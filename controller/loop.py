@@ -291,19 +291,12 @@ class ControlLoop:
         outcome = await self.actuator.carry_out(action, pin=park)
         if outcome.error is not None:
             raise self._manual_error(kind, outcome.error)
-        if outcome.park is not None:
-            r = outcome.park
-            mode = str(r.mode) if r.mode is not None else None
-            return ManualResult(
-                slot=slot.id, id_task=task, action=cmd.action, pinned=True, detail="parked and pinned",
-                n_cells=r.n_cells, n_bytes=r.n_bytes, mode=mode,
-            )  # fmt: skip
-        assert outcome.resume is not None
-        r2 = outcome.resume
-        mode = str(r2.mode) if r2.mode is not None else None
+        r = outcome.park or outcome.resume
+        assert r is not None
         return ManualResult(
-            slot=slot.id, id_task=task, action=cmd.action, pinned=False, detail="resumed",
-            n_cells=r2.n_cells, n_bytes=r2.n_bytes, mode=mode,
+            slot=slot.id, id_task=task, action=cmd.action, pinned=park,
+            detail="parked and pinned" if park else "resumed",
+            n_cells=r.n_cells, n_bytes=r.n_bytes, mode=str(r.mode) if r.mode is not None else None,
         )  # fmt: skip
 
     def _manual_error(self, kind: ActionKind, e: UpstreamError) -> KvctlError:
