@@ -170,6 +170,7 @@ class App:
             self.loop.state.snapshot_asked_monotonic,
             room_cells=verdict.room_cells,
             empty=verdict.empty,
+            min_priority=verdict.min_priority,
         )
 
     def _queued_head(self) -> QueuedRequest | None:

@@ -319,6 +319,9 @@ class Admission:
     """Cells new requests may add (a prompt and its first step each) with the projection staying below HIGH."""
     empty: bool = False
     """Nothing is resident: one request starts whatever its size (the pool is all its own)."""
+    min_priority: int | None = None
+    """The admission is for requests of this effective priority or higher only: parked requests of lower ones wait
+    (they are restored first). None: any priority."""
 
 
 # --- accounting --------------------------------------------------------------------------------
@@ -813,6 +816,12 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int, priority
     ]
     if waiting:
         return Admission(False, "parked requests are restored first", 0)
+    parked = [
+        eff.get(s.id, 0)
+        for s in kv.slots
+        if s.state is SlotState.PARKED and not inp.history.get(_task(s), TaskHistory()).pinned
+    ]
+    floor = max(parked) + 1 if parked else None  # a request at or below a parked one's priority waits for it
     if kv.n_cells <= 0:
         return Admission(True, "pool size unknown")
     pool = _pool(kv)
@@ -825,4 +834,4 @@ def admission(inp: PolicyInput, cfg: PolicyConfig, n_prompt_cells: int, priority
         allowance = max(1, allowance)
     if allowance == 0:
         return Admission(False, "the pool would reach HIGH", 0, room_cells)
-    return Admission(True, "room", allowance, room_cells, empty=not resident)
+    return Admission(True, "room", allowance, room_cells, empty=not resident, min_priority=floor)

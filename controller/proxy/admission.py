@@ -36,6 +36,7 @@ class AdmissionGate:
         self._allowance: int | None = None  # None: no limit
         self._room: int | None = None  # cells; None: no limit
         self._empty = False
+        self._min_priority: int | None = None  # requests below it wait: parked requests of theirs come back first
         self._admitted: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)  # (monotonic, cells)
         self._changed = asyncio.Event()
         self.refuse_reason: str | None = None
@@ -67,9 +68,12 @@ class AdmissionGate:
         *,
         room_cells: int | None = None,
         empty: bool = False,
+        min_priority: int | None = None,
     ) -> None:
         """What the snapshot asked for at ``as_of`` (monotonic) had room for: ``allowance`` requests,
-        ``room_cells`` cells; ``empty``: nothing resident, so one request starts whatever its size."""
+        ``room_cells`` cells; ``empty``: nothing resident, so one request starts whatever its size;
+        ``min_priority``: the allowance is for requests of this priority or higher only (parked requests of lower
+        ones wait; the others are restored first)."""
         if as_of is not None:
             unseen = [cells for t, cells in self._admitted if t >= as_of]
             if unseen:
@@ -82,13 +86,17 @@ class AdmissionGate:
         self._allowance = allowance
         self._room = room_cells
         self._empty = empty
+        self._min_priority = min_priority
         if self.hold_reason is None:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    def take(self, cells: int = 0) -> bool:
-        """One admission of a request whose prompt needs ``cells``, if the gate lets it through now."""
+    def take(self, cells: int = 0, priority: int = 0) -> bool:
+        """One admission of a request whose prompt needs ``cells``, of (effective) ``priority``, if the gate lets it
+        through now."""
         if self.hold_reason is not None:
+            return False
+        if self._min_priority is not None and priority < self._min_priority:
             return False
         if self._room is not None and cells + 1 > self._room and not self._empty:
             return False
@@ -154,6 +162,11 @@ class AdmissionQueue:
     def queued(self) -> int:
         return len(self._waiters)
 
+    def _effective(self, w: _Waiter) -> int:
+        """Its priority, or, once it has waited past max_wait_s, the highest there is (the policy counts it as the
+        highest priority present, so the gate lets it past any parked request)."""
+        return 2**31 - 1 if self._clock() - w.since > self.max_wait_s else w.priority
+
     def _head(self) -> _Waiter | None:
         waiters = [w for w in self._waiters if not w.fut.done()]
         if not waiters:
@@ -180,7 +193,7 @@ class AdmissionQueue:
     async def admit(self, cells: int = 0, priority: int = 0) -> None:
         """Return when a request needing ``cells``, of ``priority``, may go upstream; raise QueueFull or
         QueueTimeout."""
-        if not self._waiters and self.gate.take(cells):
+        if not self._waiters and self.gate.take(cells, priority):
             return
         if len(self._waiters) >= self.depth:
             raise QueueFull(f"admission queue is full ({self.depth} waiting)")
@@ -214,7 +227,7 @@ class AdmissionQueue:
             head = self._head()
             if head is None:
                 return
-            if self.gate.take(head.cells):
+            if self.gate.take(head.cells, self._effective(head)):
                 self._waiters.remove(head)
                 head.fut.set_result(None)
                 continue

@@ -821,7 +821,7 @@ class Proxy:
         """Admission for a resumable stream. Its request keeps going when the client hangs up (the server's
         contract: the WebUI reconnects and finds it with /v1/streams/lookup), so a client that leaves while it is
         queued leaves it queued: once admitted, it is sent, and the server generates into its stream buffer."""
-        if self.queue.queued == 0 and self.gate.take(cells):
+        if self.queue.queued == 0 and self.gate.take(cells, priority.value):
             return
         self.metrics.queued.inc()
         admit = asyncio.ensure_future(self.queue.admit(cells, priority.value))
@@ -871,7 +871,7 @@ class Proxy:
         """Queue while the gate holds; a streaming client waiting past the grace period gets
         SSE headers and heartbeats, so neither it nor a reverse proxy in between times out. kvctl ending the
         request (a shutdown) ends the wait too."""
-        if self.queue.queued == 0 and self.gate.take(cells):
+        if self.queue.queued == 0 and self.gate.take(cells, priority.value):
             return None
         self.metrics.queued.inc()
         admit = asyncio.ensure_future(self.queue.admit(cells, priority.value))

@@ -18,6 +18,7 @@ from controller.policy import (
     decide,
     effective_priorities,
 )
+from controller.proxy.admission import AdmissionGate
 from controller.upstream.models import ParkMode
 from tests.unit.snapshots import S, kv
 
@@ -162,3 +163,21 @@ def test_admission_lets_a_higher_priority_request_past_parked_lower_ones() -> No
     # a queued request of higher priority holds the parked lower one back (a slot is free for it)
     d = decide(with_head(inp, 1), CFG)
     assert not d.resumes and any(s.reason is SkipReason.PRIORITY and s.kind is ActionKind.RESUME for s in d.skipped)
+
+
+def test_the_admission_past_parked_requests_is_for_higher_priorities_only() -> None:
+    # the gate's allowance, opened for a queued head of priority 1, must not let a request of priority 0 behind it
+    # past the parked request of priority 0
+    parked = S("parked", 100, t_arrival_ms=0, parked_since_ms=NOW - 1000, priority=0)
+    snap = kv(1000, [gen(200, 0, 1), parked, S("idle"), S("idle")], park_modes=BOTH)
+    verdict = admission(PolicyInput(kv=snap, now_ms=NOW), CFG, 100, priority=1)
+    assert verdict.admit and verdict.min_priority == 1
+    gate = AdmissionGate()
+    gate.update(None, verdict.allowance, room_cells=verdict.room_cells, min_priority=verdict.min_priority)
+    assert not gate.take(10, priority=0), "equal to the parked one: it comes back first"
+    assert gate.take(10, priority=1)
+    assert admission(PolicyInput(kv=kv(1000, [gen(200, 0, 1), S("idle")], park_modes=BOTH), now_ms=NOW), CFG, 100)
+    assert (
+        admission(PolicyInput(kv=kv(1000, [gen(200, 0, 1)], park_modes=BOTH), now_ms=NOW), CFG, 100).min_priority
+        is None
+    )
