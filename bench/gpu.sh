@@ -77,7 +77,8 @@ if [ -d "$carry" ] && [ "$dry" = 0 ]; then
         py=.gpu-venv/bin/python
     fi
 fi
-export KVCTL_BENCH_BUILD_ARGS="--cuda --cuda-arch ${KVCTL_CUDA_ARCH:-native}"
+# no WebUI: the device machine reaches no npm registry, and the benchmarks never open it
+export KVCTL_BENCH_BUILD_ARGS="--cuda --cuda-arch ${KVCTL_CUDA_ARCH:-native} --no-ui"
 # FlashAttention kernels are most of a CUDA build's time; both servers are built alike
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_CUDA_FA=OFF}"
 start=$SECONDS

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the patched llama-server that kvctl drives, and cache it outside the checkout.
 #
-#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--no-patches] [--jobs N] [--force]
+#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--ui|--no-ui] [--no-patches] [--jobs N] [--force]
 #   scripts/build_llama.sh --extract DIR     (only fetch the pinned source into DIR, unpatched)
 #
 # The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python 0.3.36
@@ -9,6 +9,10 @@
 # clone of the same commit instead. patches/*.patch are applied in order with `git apply`.
 # The result is cached under ${XDG_CACHE_HOME:-$HOME/.cache}/kvctl/, keyed by source,
 # patch series and flags, so an unchanged second run takes seconds.
+#
+# The WebUI (tools/ui of the pinned tree) is built with npm when npm is on PATH (or with --ui, which
+# fails without it) and embedded in the server; its build is cached apart, keyed by the UI's sources,
+# so a patch edit does not rebuild it. Without npm, or with --no-ui, the server has no WebUI.
 #
 # Progress goes to stderr; the last line of stdout is the path of the llama-server binary.
 # Environment: KVCTL_PATCHES_DIR (default: patches/ of this checkout), KVCTL_LLAMA_SDIST
@@ -29,6 +33,7 @@ cache="${KVCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvctl}"
 
 cuda=0
 cuda_arch="native"
+ui=auto
 use_patches=1
 force=0
 extract=""
@@ -36,13 +41,15 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 
 log() { printf 'build_llama: %s\n' "$*" >&2; }
 die() { printf 'build_llama: error: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --cuda) cuda=1 ;;
         --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
         --cuda-arch=*) cuda_arch="${1#*=}" ;;
+        --ui) ui=1 ;;
+        --no-ui) ui=0 ;;
         --no-patches) use_patches=0 ;;
         --jobs|-j) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
         --force) force=1 ;;
@@ -56,6 +63,17 @@ done
 for tool in cmake sha256sum tar git; do
     command -v "$tool" >/dev/null 2>&1 || die "'$tool' is required (apt-get install $tool)"
 done
+
+if [ "$ui" = auto ]; then
+    if command -v npm >/dev/null 2>&1; then
+        ui=1
+    else
+        ui=0
+        log "npm not found: building the server without its WebUI (install Node.js and npm for it; --no-ui silences this)"
+    fi
+elif [ "$ui" = 1 ] && ! command -v npm >/dev/null 2>&1; then
+    die "--ui needs npm (Node.js 20 or newer) on PATH"
+fi
 
 # --- what this build is: flags and patch series ------------------------------------------
 flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF
@@ -74,11 +92,12 @@ if [ "$use_patches" = 1 ]; then
 fi
 
 series_hash="$( { for p in "${patches[@]+"${patches[@]}"}"; do basename "$p"; cat "$p"; done; } | sha256sum | cut -c1-16)"
-key="$(printf '%s\n' "llama.cpp@$UPSTREAM_COMMIT" "$series_hash" "${flags[*]}" | sha256sum | cut -c1-16)"
+# the UI's sources are fixed by the commit and the series, so whether it is embedded is all the key needs
+key="$(printf '%s\n' "llama.cpp@$UPSTREAM_COMMIT" "$series_hash" "${flags[*]}" "ui=$ui" | sha256sum | cut -c1-16)"
 entry="$cache/build/$key"
 binary="$entry/bin/llama-server"
 
-mkdir -p "$cache/build" "$cache/sdist" "$cache/tmp"
+mkdir -p "$cache/build" "$cache/sdist" "$cache/tmp" "$cache/ui"
 
 # one build at a time per cache: a test run and a quickstart must not race on the same entry
 exec 9>"$cache/.lock"
@@ -153,6 +172,31 @@ for p in "${patches[@]+"${patches[@]}"}"; do
     log "applied $name"
 done
 
+# --- the WebUI: built with npm once per source tree, then embedded from tools/ui/dist --------
+ui_info="none"
+if [ "$ui" = 1 ]; then
+    ui_hash="$(cd "$src/tools/ui" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)"
+    ui_entry="$cache/ui/$ui_hash"
+    if [ -f "$ui_entry/dist/index.html" ]; then
+        log "WebUI cache hit: $ui_entry"
+    else
+        log "building the WebUI with npm $(npm --version) (node $(node --version 2>/dev/null || echo '?'); a cold build takes ~3 min)"
+        cp -r "$src/tools/ui" "$work/ui"
+        if ! (cd "$work/ui" && npm ci --no-audit --no-fund --loglevel=error && npm run build) >"$work/ui.log" 2>&1; then
+            tail -n 30 "$work/ui.log" >&2
+            die "the WebUI build failed (log above); --no-ui builds the server without it"
+        fi
+        [ -f "$work/ui/dist/index.html" ] || die "the WebUI build wrote no dist/index.html"
+        rm -rf "$ui_entry.part" && mkdir -p "$ui_entry.part"
+        mv "$work/ui/dist" "$ui_entry.part/dist"
+        rm -rf "$work/ui" "$ui_entry" && mv "$ui_entry.part" "$ui_entry"
+        log "WebUI built: $ui_entry"
+    fi
+    # scripts/ui-assets.cmake embeds tools/ui/dist first, before any npm build or download
+    cp -r "$ui_entry/dist" "$src/tools/ui/dist"
+    ui_info="$ui_hash ($ui_entry)"
+fi
+
 # --- build -------------------------------------------------------------------------------
 log "configuring (${flags[*]})"
 export CCACHE_BASEDIR="$work" CCACHE_NOHASHDIR=1   # hit the ccache across temporary folders
@@ -179,6 +223,7 @@ cp "$src"/models/ggml-vocab-llama-spm.gguf "$src"/models/ggml-vocab-qwen35.gguf 
     echo "patches: $series_hash"
     for p in "${patches[@]+"${patches[@]}"}"; do echo "  $(basename "$p")"; done
     echo "flags: ${flags[*]}"
+    echo "webui: $ui_info"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } >"$stage/BUILD_INFO"
 rm -rf "$entry"

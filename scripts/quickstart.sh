@@ -1,64 +1,146 @@
 #!/usr/bin/env bash
 # Build and run kvctl's main job: the patched llama-server with kvctl in front of it.
 #
-#   scripts/quickstart.sh            # run until Ctrl-C; clients use http://127.0.0.1:8080/v1
+#   scripts/quickstart.sh            # run until Ctrl-C: the WebUI at http://127.0.0.1:8080/, the API at /v1
 #   scripts/quickstart.sh --demo     # a burst of chats that overflows the pool, then stop
+#   scripts/quickstart.sh --cuda     # build for and run on an NVIDIA GPU (the default when one and nvcc are found)
+#   scripts/quickstart.sh --cpu      # build for and run on the CPU even where a GPU is found
+#   scripts/quickstart.sh --dry-run  # say what it would build and run, and stop there
 #   MODEL=/path/to.gguf scripts/quickstart.sh
 #
-# Creates .venv, installs kvctl, builds the patched server (cached), generates the random-weight
-# demo model unless MODEL is given, and starts `kvctl run --spawn` (the proxy on PORT, the admin
-# API on ADMIN_PORT, the server on SERVER_PORT). --demo sends CHATS concurrent chats of TOKENS
-# tokens, prints how many completed and how many parks it took, stops everything it started, and
-# exits 0 only if every chat completed.
+# Creates .venv, installs kvctl, builds the patched server with its WebUI (cached; without npm the
+# server has no WebUI), generates the random-weight demo model unless MODEL is given, and starts
+# `kvctl run --spawn` (the proxy and WebUI on PORT, the admin API on ADMIN_PORT, the server on SERVER_PORT).
+# On a GPU the model is offloaded (GPU_LAYERS, default all). --demo sends CHATS concurrent chats of
+# TOKENS tokens, prints how many completed and how many parks it took, stops everything it started,
+# and exits 0 only if every chat completed.
 # Settings: MODEL, PORT (8080), ADMIN_PORT (8091), SERVER_PORT (8081), CTX (8192), SLOTS (4),
-# THREADS (1 for the demo model, else all cores), CHATS (4), TOKENS (3000), EXTRA_ARGS (server flags).
+# THREADS (1 for the demo model on the CPU, else all cores), GPU_LAYERS (all), CHATS (4), TOKENS (3000),
+# KVCTL_VENV (.venv), EXTRA_ARGS (server flags).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-demo=0
+say() { printf 'quickstart: %s\n' "$*" >&2; }
+
+demo=0 backend=auto dry=0
 for arg in "$@"; do
     case "$arg" in
         --demo) demo=1 ;;
-        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --cuda) backend=cuda ;;
+        --cpu) backend=cpu ;;
+        --dry-run) dry=1 ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "quickstart: unknown argument: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
+
+# --- CPU or GPU: a GPU needs both the driver (nvidia-smi lists it) and the CUDA compiler -----
+find_nvcc() {
+    command -v nvcc 2>/dev/null && return 0
+    [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc && return 0
+    return 1
+}
+gpu="$( { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' ; } || true)"
+nvcc="$(find_nvcc || true)"
+case "$backend" in
+    auto)
+        if [ -n "$gpu" ] && [ -n "$nvcc" ]; then
+            backend=cuda why="found ${gpu%% (UUID*} and $nvcc"
+        elif [ -n "$gpu" ]; then
+            backend=cpu why="found ${gpu%% (UUID*} but no nvcc (install the CUDA toolkit, then --cuda)"
+        else
+            backend=cpu why="no NVIDIA GPU found (nvidia-smi)"
+        fi ;;
+    cuda)
+        [ -n "$nvcc" ] || { say "error: --cuda needs the CUDA toolkit's nvcc (on PATH or /usr/local/cuda/bin)"; exit 2; }
+        why="--cuda" ;;
+    cpu) why="--cpu" ;;
+esac
+build_args=()
+gpu_args=()
+if [ "$backend" = cuda ]; then
+    export PATH="$(dirname "$nvcc"):$PATH"
+    build_args+=(--cuda)
+    gpu_args=(-ngl "${GPU_LAYERS:-all}")
+    say "backend: CUDA ($why): the model is offloaded to the GPU (-ngl ${GPU_LAYERS:-all})"
+else
+    say "backend: CPU ($why)"
+fi
+
+port="${PORT:-8080}" admin="${ADMIN_PORT:-8091}" sport="${SERVER_PORT:-8081}"
+if [ "$dry" = 1 ]; then
+    say "would run: scripts/build_llama.sh ${build_args[*]}"
+    say "would run: kvctl run --listen 127.0.0.1:$port --admin 127.0.0.1:$admin --spawn -- llama-server" \
+        "--port $sport -c ${CTX:-8192} -np ${SLOTS:-4} ${gpu_args[*]}"
+    exit 0
+fi
 
 venv="${KVCTL_VENV:-$root/.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 if [ ! -f "$venv/.kvctl-installed" ] || [ pyproject.toml -nt "$venv/.kvctl-installed" ]; then
-    echo "quickstart: installing kvctl" >&2
+    say "installing kvctl (and the demo's tools: the model generator, the openai client)"
     python -m pip install --quiet --upgrade pip >&2
-    python -m pip install --quiet -e ".[test]" >&2
+    python -m pip install --quiet -e ".[demo]" >&2
     touch "$venv/.kvctl-installed"
 fi
 
-bin="$(bash scripts/build_llama.sh | tail -n 1)"
-vocab="$(dirname "$(dirname "$bin")")/vocab/ggml-vocab-llama-spm.gguf"
+bin="$(bash scripts/build_llama.sh "${build_args[@]+"${build_args[@]}"}" | tail -n 1)"
+entry="$(dirname "$(dirname "$bin")")"
+vocab="$entry/vocab/ggml-vocab-llama-spm.gguf"
+webui=1
+grep -q '^webui: none' "$entry/BUILD_INFO" 2>/dev/null && webui=0
 
 model="${MODEL:-}"
 threads="${THREADS:-$(nproc)}"
 if [ -z "$model" ]; then
     model="${XDG_CACHE_HOME:-$HOME/.cache}/kvctl/models/demo-tiny.gguf"
     mkdir -p "$(dirname "$model")"
-    echo "quickstart: demo model (random weights, tiny) at $model" >&2
-    python -m controller.testmodels llama --vocab "$vocab" --out "$model" --size tiny >&2
-    threads="${THREADS:-1}"
+    say "demo model (random weights, tiny) at $model"
+    python -m testkit.models llama --vocab "$vocab" --out "$model" --size tiny >&2
+    [ "$backend" = cpu ] && threads="${THREADS:-1}"
 fi
 
-port="${PORT:-8080}" admin="${ADMIN_PORT:-8091}" sport="${SERVER_PORT:-8081}"
 # shellcheck disable=SC2206 # EXTRA_ARGS is a flag list
 server=("$bin" -m "$model" --host 127.0.0.1 --port "$sport" -c "${CTX:-8192}" -np "${SLOTS:-4}" -kvu
-        --slots --metrics -t "$threads" ${EXTRA_ARGS:-})
+        --slots --metrics -t "$threads" "${gpu_args[@]+"${gpu_args[@]}"}" ${EXTRA_ARGS:-})
 kvctl=(kvctl run --upstream "http://127.0.0.1:$sport" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin"
        --spawn -- "${server[@]}")
 
+wait_ready() {  # $1: kvctl's pid, $2: its log (or empty)
+    for _ in $(seq 600); do
+        if curl -fsS "http://127.0.0.1:$admin/readyz" >/dev/null 2>&1; then return 0; fi
+        if ! kill -0 "$1" 2>/dev/null; then
+            [ -n "$2" ] && tail -n 30 "$2" >&2
+            say "kvctl exited"
+            return 1
+        fi
+        sleep 0.2
+    done
+    say "kvctl was not ready after 120 s"
+    return 1
+}
+
 if [ "$demo" = 0 ]; then
-    echo "quickstart: clients use http://127.0.0.1:$port/v1 ; status: kvctl status --admin 127.0.0.1:$admin" >&2
-    exec "${kvctl[@]}"
+    "${kvctl[@]}" &
+    pid=$!
+    # Ctrl-C reaches kvctl as SIGTERM: it stops the server it spawned, then itself
+    trap 'kill -TERM "$pid" 2>/dev/null || true' INT TERM
+    if wait_ready "$pid" ""; then
+        if [ "$webui" = 1 ]; then
+            say "ready: open http://127.0.0.1:$port/ in a browser for the WebUI, through kvctl"
+        else
+            say "ready (this server was built without its WebUI: install Node.js and npm, then run this again)"
+        fi
+        say "API clients use http://127.0.0.1:$port/v1 ; status: kvctl status --admin 127.0.0.1:$admin ; stop: Ctrl-C"
+    fi
+    rc=0
+    wait "$pid" || rc=$?
+    # a signal interrupts the first wait; wait again for kvctl to finish stopping
+    kill -0 "$pid" 2>/dev/null && { wait "$pid" || rc=$?; }
+    exit "$rc"
 fi
 
 log="$(mktemp -t kvctl-demo.XXXXXX.log)"
@@ -70,11 +152,7 @@ stop() {
     kill -KILL -- "-$pid" 2>/dev/null || true
 }
 trap stop EXIT
-echo "quickstart: starting the stack (log: $log)" >&2
-for _ in $(seq 600); do
-    if curl -fsS "http://127.0.0.1:$admin/readyz" >/dev/null 2>&1; then break; fi
-    kill -0 "$pid" 2>/dev/null || { tail -n 30 "$log" >&2; echo "quickstart: kvctl exited" >&2; exit 1; }
-    sleep 0.2
-done
-python -m controller.demo --proxy "http://127.0.0.1:$port" --admin "http://127.0.0.1:$admin" \
+say "starting the stack (log: $log)"
+wait_ready "$pid" "$log" || exit 1
+python -m testkit.demo --proxy "http://127.0.0.1:$port" --admin "http://127.0.0.1:$admin" \
     --server "http://127.0.0.1:$sport" --chats "${CHATS:-4}" --tokens "${TOKENS:-3000}"
