@@ -1,6 +1,6 @@
-"""The generated tables: ``python -m controller.docs`` prints the settings and metrics tables of the README's
-"The controller (kvctl)", ``python -m controller.docs routes`` the route table of docs/proxy.md; unit tests check
-that the documents hold the current ones."""
+"""The generated tables: ``python -m controller.docs`` prints the settings and metrics tables of docs/operations.md,
+``python -m controller.docs routes`` the route table of docs/proxy.md; unit tests check that the documents hold the
+current ones."""
 
 from __future__ import annotations
 

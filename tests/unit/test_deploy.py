@@ -200,7 +200,7 @@ def test_llama_server_env_sets_the_model_and_the_park_budget() -> None:
 # --- metric names ----------------------------------------------------------------------------
 
 # What llama-server itself exports at the pinned tree (tools/server/server-task.cpp,
-# server_task_result_metrics::to_metrics()); the patches' additions are in README.md's table.
+# server_task_result_metrics::to_metrics()); the patches' additions are in docs/patches.md's table.
 LLAMA_CPP_BUILTIN = {
     "llamacpp:" + name
     for name in (
@@ -252,8 +252,8 @@ def kvctl_metric_names() -> set[str]:
 
 
 def server_metric_names() -> set[str]:
-    readme = (ROOT / "README.md").read_text()
-    patched = set(re.findall(r"^\|\s*`(llamacpp:[a-z0-9_:]+)`", readme, re.MULTILINE))
+    doc = (ROOT / "docs" / "patches.md").read_text()
+    patched = set(re.findall(r"^\|\s*`(llamacpp:[a-z0-9_:]+)`", doc, re.MULTILINE))
     return patched | LLAMA_CPP_BUILTIN
 
 
