@@ -684,10 +684,12 @@ def _restore(plan: _Plan) -> None:
 
 
 def _waiting(plan: _Plan) -> list[Slot]:
-    """The parked requests the policy may restore: all but those pinned by hand (passed over, with why)."""
+    """The parked requests the policy may restore: all but those pinned by hand (passed over, with why), and
+    those the server parked for ``--park-test-interval``, which it resumes itself on its next iteration (a resume
+    of one races with the server's and is answered 409)."""
     waiting = []
     for slot in plan.slots:
-        if slot.state is not SlotState.PARKED or slot.id_task is None:
+        if slot.state is not SlotState.PARKED or slot.id_task is None or slot.park.test:
             continue
         if plan.history(slot).pinned:
             plan.skip(ActionKind.RESUME, slot, SkipReason.PINNED)

@@ -24,19 +24,23 @@ if [ ! -f "$venv/.kvctl-installed" ] || [ pyproject.toml -nt "$venv/.kvctl-insta
     touch "$venv/.kvctl-installed"
 fi
 
-# the deploy/ tests check the systemd units and Prometheus rules with the real tools
+# the deploy/ tests check the systemd units and Prometheus rules with the real tools; the WebUI test drives
+# Debian's Chromium (tests/integration/test_webui.py)
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+[ -x "${KVCTL_CHROMIUM:-/usr/bin/chromium}" ] || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "test.sh: installing ${missing[*]} (Debian packages)" >&2
         apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
             "${missing[@]}" >&2
     else
-        echo "test.sh: warning: ${missing[*]} not installed; the deploy/ tests will fail under CI" >&2
+        echo "test.sh: warning: ${missing[*]} not installed; the deploy/ and WebUI tests will fail" >&2
     fi
 fi
+# the server's WebUI is built with npm (scripts/build_llama.sh); without it the WebUI test fails
+command -v npm >/dev/null 2>&1 || echo "test.sh: warning: npm not found: the server is built without its WebUI" >&2
 
 # the build must not share the 2 cores with server tests: build first, then test
 LLAMA_SERVER_BIN_PATH="$(bash scripts/build_llama.sh | tail -n 1)"
