@@ -16,7 +16,7 @@
 # and exits 0 only if every chat completed.
 # Settings: MODEL, PORT (8080), ADMIN_PORT (8091), SERVER_PORT (8081), CTX (8192), SLOTS (4),
 # THREADS (1 for the demo model on the CPU, else all cores), GPU_LAYERS (all), CHATS (4), TOKENS (3000),
-# KVCTL_VENV (.venv), EXTRA_ARGS (server flags).
+# KVCTL_VENV (.venv), CUDA_HOME (/usr/local/cuda, where nvcc is looked for after PATH), EXTRA_ARGS (server flags).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -38,7 +38,8 @@ done
 # --- CPU or GPU: a GPU needs both the driver (nvidia-smi lists it) and the CUDA compiler -----
 find_nvcc() {
     command -v nvcc 2>/dev/null && return 0
-    [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc && return 0
+    local toolkit="${CUDA_HOME:-/usr/local/cuda}"
+    [ -x "$toolkit/bin/nvcc" ] && echo "$toolkit/bin/nvcc" && return 0
     return 1
 }
 gpu="$( { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' ; } || true)"
@@ -53,7 +54,7 @@ case "$backend" in
             backend=cpu why="no NVIDIA GPU found (nvidia-smi)"
         fi ;;
     cuda)
-        [ -n "$nvcc" ] || { say "error: --cuda needs the CUDA toolkit's nvcc (on PATH or /usr/local/cuda/bin)"; exit 2; }
+        [ -n "$nvcc" ] || { say "error: --cuda needs the CUDA toolkit's nvcc (on PATH or in \$CUDA_HOME/bin)"; exit 2; }
         why="--cuda" ;;
     cpu) why="--cpu" ;;
 esac
