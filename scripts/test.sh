@@ -25,11 +25,14 @@ if [ ! -f "$venv/.kvctl-installed" ] || [ pyproject.toml -nt "$venv/.kvctl-insta
 fi
 
 # the deploy/ tests check the systemd units and Prometheus rules with the real tools; the WebUI test drives
-# Debian's Chromium (tests/integration/test_webui.py)
+# Debian's Chromium (tests/integration/test_webui.py), nginx and Caddy run the configurations of docs/operations.md
+# (tests/integration/test_reverse_proxy.py)
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 [ -x "${KVCTL_CHROMIUM:-/usr/bin/chromium}" ] || missing+=(chromium)
+command -v nginx >/dev/null 2>&1 || missing+=(nginx-light)
+command -v caddy >/dev/null 2>&1 || missing+=(caddy)
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "test.sh: installing ${missing[*]} (Debian packages)" >&2

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import io
 import json
 import ssl
 import time
@@ -847,7 +848,7 @@ class Proxy:
             try:
                 # the response starting means the server took it; its stream buffer has the rest
                 url = URL(self.origin + path_qs, encoded=True)
-                async with self.session.request(method, url, data=body, headers=headers) as r:
+                async with self.session.request(method, url, data=upstream_body(body), headers=headers) as r:
                     log.info(
                         "conversation.sent_for_departed_client", status=r.status, request_id=headers.get("X-Request-Id")
                     )
@@ -933,7 +934,7 @@ class Proxy:
     ) -> tuple[Any, aiohttp.ClientResponse]:
         """Send the request; wait for the response to start, or for kvctl to end the request (a hung server)."""
         assert self.session is not None
-        cm = self.session.request(request.method, URL(url, encoded=True), data=body if body else None, headers=headers)
+        cm = self.session.request(request.method, URL(url, encoded=True), data=upstream_body(body), headers=headers)
         opening: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(cm.__aenter__())
         either: set[asyncio.Future[Any]] = {opening, entry.ended}
         try:
@@ -1209,6 +1210,18 @@ class Proxy:
                     if isinstance(doc, dict) and isinstance(doc.get("id"), str):
                         self.owners.set("cmpl:" + doc["id"], owner)
                 return
+
+
+# aiohttp warns (ResourceWarning) on a bytes body over 1 MiB: it is written in one piece from the event loop
+_LARGE_BODY = 1 << 20
+
+
+def upstream_body(body: bytes) -> bytes | io.BytesIO | None:
+    """A request body for aiohttp: large prompts (up to proxy.max_body_bytes) as a file object, which aiohttp
+    writes in chunks with its length known, instead of one write that holds the event loop."""
+    if not body:
+        return None
+    return io.BytesIO(body) if len(body) > _LARGE_BODY else body
 
 
 def _close_response(fut: asyncio.Future[aiohttp.ClientResponse]) -> None:
