@@ -6,7 +6,7 @@
 #
 # 1. builds the patched and the unpatched llama-server with CUDA (scripts/build_llama.sh --cuda,
 #    cached like every build; ccache makes the second build a relink of the patched files),
-# 2. writes the 'gpu' random-weight model (0.85 B parameters, F32, controller/testmodels.py),
+# 2. writes the 'gpu' random-weight model (0.85 B parameters, F32, testkit/models.py),
 # 3. measures park and resume at memory speed (bench/park_speed.py: 16 MiB to 1 GiB snapshots, -fa on
 #    and off, pinned and pageable arena, the other streams' decode stall), bench/results/gpu-park-speed.md,
 # 4. runs the pressure benchmark (8192 band, equal-long and mixed, every mode) and the cost

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.integration.llama import free_port
+from testkit.llama import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
