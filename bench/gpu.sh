@@ -70,7 +70,7 @@ py="${KVCTL_PYTHON:-python3}"
 [ -x .venv/bin/python ] && py=.venv/bin/python
 if [ -d "$carry" ] && [ "$dry" = 0 ]; then
     export KVCTL_LLAMA_SRC="$PWD/$carry/llama.cpp.tar.xz"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # controller, bench, tests without installing kvctl
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # controller, testkit, bench without installing kvctl
     if ! "$py" -c "import pydantic_settings, structlog, gguf" 2>/dev/null; then
         python3 -m venv --system-site-packages .gpu-venv
         .gpu-venv/bin/python -m pip install --quiet --no-index --find-links "$carry/wheels" "${wheels[@]}"
