@@ -32,7 +32,7 @@ def lint_imports() -> str:
 def run(cwd: Path) -> subprocess.CompletedProcess[str]:
     # the root packages are imported from the checkout; no cache directory is left behind
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [lint_imports(), "--no-cache", "--no-logo"]
+    argv = [lint_imports(), "--no-cache"]
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
