@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
-from controller import testmodels  # noqa: E402
-from tests.integration.llama import ServerProcess  # noqa: E402
+from testkit import models  # noqa: E402
+from testkit.llama import ServerProcess  # noqa: E402
 
 
 def build(patched: bool = True) -> Path:
@@ -42,8 +42,8 @@ def model(kind: str, binary: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     v = vocab_dir(binary)
     if kind == "qwen35":
-        return testmodels.write_qwen35(cache / "bench-qwen35-mtp.gguf", v / "ggml-vocab-qwen35.gguf")
-    return testmodels.write_llama(cache / f"bench-{kind}.gguf", v / "ggml-vocab-llama-spm.gguf", testmodels.SIZES[kind])
+        return models.write_qwen35(cache / "bench-qwen35-mtp.gguf", v / "ggml-vocab-qwen35.gguf")
+    return models.write_llama(cache / f"bench-{kind}.gguf", v / "ggml-vocab-llama-spm.gguf", models.SIZES[kind])
 
 
 @contextlib.contextmanager

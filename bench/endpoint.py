@@ -29,9 +29,9 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from bench.common import build, model, pct, placement, save, server, table
-from bench.kvctl_stack import stack_admin, start_stack
 from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
-from tests.integration.llama import NO_BYTE_TOKENS
+from testkit.llama import NO_BYTE_TOKENS
+from testkit.stack import stack_admin, start_stack
 
 SCRAPE_EVERY_S = 0.05  # llm-d's --refresh-metrics-interval
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import build, model, save, server, table
-from tests.integration.llama import NO_BYTE_TOKENS, StreamResult, stream_completion
+from testkit.llama import NO_BYTE_TOKENS, StreamResult, stream_completion
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

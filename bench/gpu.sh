@@ -6,7 +6,7 @@
 #
 # 1. builds the patched and the unpatched llama-server with CUDA (scripts/build_llama.sh --cuda,
 #    cached like every build; ccache makes the second build a relink of the patched files),
-# 2. writes the 'gpu' random-weight model (0.85 B parameters, F32, controller/testmodels.py),
+# 2. writes the 'gpu' random-weight model (0.85 B parameters, F32, testkit/models.py),
 # 3. measures park and resume at memory speed (bench/park_speed.py: 16 MiB to 1 GiB snapshots, -fa on
 #    and off, pinned and pageable arena, the other streams' decode stall), bench/results/gpu-park-speed.md,
 # 4. runs the pressure benchmark (8192 band, equal-long and mixed, every mode) and the cost
@@ -70,7 +70,7 @@ py="${KVCTL_PYTHON:-python3}"
 [ -x .venv/bin/python ] && py=.venv/bin/python
 if [ -d "$carry" ] && [ "$dry" = 0 ]; then
     export KVCTL_LLAMA_SRC="$PWD/$carry/llama.cpp.tar.xz"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # controller, bench, tests without installing kvctl
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # controller, testkit, bench without installing kvctl
     if ! "$py" -c "import pydantic_settings, structlog, gguf" 2>/dev/null; then
         python3 -m venv --system-site-packages .gpu-venv
         .gpu-venv/bin/python -m pip install --quiet --no-index --find-links "$carry/wheels" "${wheels[@]}"

@@ -29,9 +29,9 @@ import aiohttp
 import psutil
 
 from bench.common import build, mean_ci, model, placement, save, server, table
-from bench.kvctl_stack import stack_pid, start_stack
 from bench.streams import Timed, timed_stream
-from tests.integration.llama import NO_BYTE_TOKENS, ServerProcess
+from testkit.llama import NO_BYTE_TOKENS, ServerProcess
+from testkit.stack import stack_pid, start_stack
 
 
 def cpu_seconds(pid: int | None) -> float:

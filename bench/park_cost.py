@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 
 from bench.common import build, model, pct, save, server, table
-from tests.integration.llama import post_action
+from testkit.llama import post_action
 
 
 def memcpy_gbps(n_bytes: int, repeat: int = 5) -> float:

@@ -43,7 +43,7 @@ import numpy as np
 
 from bench.common import build, model, save, server, table
 from bench.park_cost import memcpy_gbps
-from tests.integration.llama import post_action, sse_events
+from testkit.llama import post_action, sse_events
 
 CELL_BYTES = 32 * 2 * 2048 * 4  # kvheavy, f32 K and V
 KEEP_S = 30  # --park-arena-keep for these runs (the default): the second park at a size must come within it

@@ -49,8 +49,8 @@ from controller.policy import (
 from controller.proxy.admission import AdmissionGate
 from controller.settings import PolicySettings, RestoreOrder
 from controller.upstream.models import KvSnapshot, SlotState
-from tests.unit.snapshots import S
-from tests.unit.snapshots import kv as build_kv
+from testkit.snapshots import S
+from testkit.snapshots import kv as build_kv
 
 STEP_MS = 3  # one decode step of the tiny model on one core, for the policy's clock only
 RESERVE = 512  # proxy.admission_reserve_cells

@@ -34,7 +34,7 @@ import aiohttp
 
 from bench.common import build, model, pct, save, server, table
 from bench.streams import Timed, timed_stream
-from tests.integration.llama import NO_BYTE_TOKENS, parse_metrics
+from testkit.llama import NO_BYTE_TOKENS, parse_metrics
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ async def parks(s: aiohttp.ClientSession, metrics_url: str | None) -> tuple[floa
 @contextlib.contextmanager
 def kvctl_stack(binary: Path, gguf: Path, args: tuple[str, ...], env: dict[str, str]) -> Iterator[tuple[str, str]]:
     """The patched server behind kvctl: yields (client URL, server URL)."""
-    from bench.kvctl_stack import start_stack  # imported lazily: needs the controller
+    from testkit.stack import start_stack  # imported lazily: needs the controller
 
     with server(binary, gguf, *args) as srv, start_stack(srv.url, env=env) as proxy_url:
         yield proxy_url, srv.url

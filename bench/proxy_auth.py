@@ -26,7 +26,7 @@ from bench.common import build, model, pct, placement, save, server, table
 from controller.proxy import ProxyConfig, make_proxy_app
 from controller.proxy.app import run_site
 from controller.proxy.auth import ApiKey
-from tests.integration.llama import free_port
+from testkit.llama import free_port
 
 SERVER_KEY = "sk-bench-server"
 KVCTL_KEY = "sk-bench-client"

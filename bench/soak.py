@@ -25,7 +25,7 @@ import psutil
 from prometheus_client import CollectorRegistry
 
 from bench.common import build, model, save, server, table
-from tests.integration.llama import NO_BYTE_TOKENS, StreamResult, free_port, stream_completion
+from testkit.llama import NO_BYTE_TOKENS, StreamResult, free_port, stream_completion
 
 
 @dataclass

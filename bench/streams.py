@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.integration.llama import sse_events
+from testkit.llama import sse_events
 
 
 @dataclass

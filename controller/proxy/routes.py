@@ -179,7 +179,3 @@ def gcp_alias(path: str) -> str:
             out.append(c.upper() if cap else c)
             cap = False
     return "".join(out)
-
-    def is_api_path(self, path: str) -> bool:
-        """Whether any method of the server's API answers at this path (so it is not a static asset)."""
-        return any(self.lookup(m, path) is not None for m in ("GET", "POST", "DELETE"))

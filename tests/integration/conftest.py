@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller import testmodels
 from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
 from controller.proxy.app import run_site
-from tests.integration.llama import ServerProcess, free_port
+from testkit import models
+from testkit.llama import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,9 +50,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(models_dir: Path, vocab_dir: Path) -> Path:
-    return testmodels.write_llama(
-        models_dir / "tiny.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf", testmodels.SIZES["tiny"]
-    )
+    return models.write_llama(models_dir / "tiny.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf", models.SIZES["tiny"])
 
 
 ServerFactory = Callable[..., ServerProcess]
@@ -118,4 +116,4 @@ async def start_proxy() -> AsyncIterator[ProxyFactory]:
 @pytest.fixture(scope="session")
 def qwen35_model(models_dir: Path, vocab_dir: Path) -> Path:
     """Tiny Qwen3.5 hybrid model with an MTP layer: serve with --spec-type draft-mtp."""
-    return testmodels.write_qwen35(models_dir / "qwen35-mtp.gguf", vocab_dir / "ggml-vocab-qwen35.gguf")
+    return models.write_qwen35(models_dir / "qwen35-mtp.gguf", vocab_dir / "ggml-vocab-qwen35.gguf")

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from controller.app import App
 from controller.settings import load_settings
-from tests.integration.llama import NO_BYTE_TOKENS, StreamResult, free_port, sse_events
+from testkit.llama import NO_BYTE_TOKENS, StreamResult, free_port, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,17 +62,12 @@ async def poll_json(
 
 def samples(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of one metric in Prometheus text, over the series whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        base, _, rest = series.partition("{")
-        if base != name:
-            continue
-        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += float(value)
-    return total
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 async def metrics_text(http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> str:

@@ -15,8 +15,8 @@ import pytest
 
 from controller.proxy import AdmissionGate
 from controller.proxy.routes import Kind, RouteTable
+from testkit.llama import parse_metrics
 from tests.integration.conftest import ProxyFactory, ServerFactory
-from tests.integration.llama import parse_metrics
 from tests.integration.test_proxy import POOL
 from tests.unit.test_routes import pinned_routes
 

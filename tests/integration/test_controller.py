@@ -20,8 +20,7 @@ from controller.metrics import Metrics
 from controller.settings import load_settings
 from controller.supervisor import Supervisor, SupervisorState
 from controller.upstream import UpstreamClient
-from tests.integration.conftest import ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
     free_port,
@@ -29,6 +28,7 @@ from tests.integration.llama import (
     server_argv,
     stream_completion,
 )
+from tests.integration.conftest import ServerFactory
 
 
 def request(prompt: str, n_predict: int) -> dict[str, Any]:

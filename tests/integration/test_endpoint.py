@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.app import App
 from controller.proxy.endpoint_metrics import KVCTL_NAMES, VLLM_NAMES
 from controller.upstream import SlotState
+from testkit.llama import stream_completion
 from tests.integration.conftest import ServerFactory
-from tests.integration.llama import stream_completion
 from tests.integration.test_stack import assert_complete, kvctl, request
 
 

@@ -32,6 +32,7 @@ from controller.probes import HostMemory
 from controller.settings import load_settings
 from controller.supervisor import SupervisorState
 from controller.upstream import KvSnapshot, UpstreamClient
+from testkit.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
 from tests.integration.conftest import ServerFactory
 from tests.integration.faults import (
@@ -46,7 +47,6 @@ from tests.integration.faults import (
     samples,
     wait_until,
 )
-from tests.integration.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
 
 
 async def server_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:

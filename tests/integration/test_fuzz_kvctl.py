@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from testkit.llama import ServerProcess, free_port, stream_completion
 from tests.integration.conftest import ServerFactory
 from tests.integration.faults import (
     ROOT,
@@ -38,7 +39,6 @@ from tests.integration.faults import (
     raw_request,
     request,
 )
-from tests.integration.llama import ServerProcess, free_port, stream_completion
 
 TOKEN = "fuzz-token-5b1c"
 AUTH = [(b"Authorization", b"Bearer " + TOKEN.encode())]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.llama import ServerProcess
+from testkit.llama import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.conftest import ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     StreamResult,
     get_json,
     parse_metrics,
     post_action,
     stream_completion,
 )
+from tests.integration.conftest import ServerFactory
 
 ACCEPTED = "llamacpp:spec_decode_num_accepted_tokens_total"
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 
+from testkit.llama import get_json, parse_metrics, stream_completion
 from tests.integration.conftest import ServerFactory
-from tests.integration.llama import get_json, parse_metrics, stream_completion
 
 POOL = ("-c", "2048", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4

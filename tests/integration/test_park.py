@@ -10,8 +10,7 @@ import aiohttp
 import psutil
 import pytest
 
-from tests.integration.conftest import ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
     get_json,
@@ -19,6 +18,7 @@ from tests.integration.llama import (
     post_action,
     stream_completion,
 )
+from tests.integration.conftest import ServerFactory
 
 POOL = ("-c", "4096", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
 

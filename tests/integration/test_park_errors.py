@@ -8,8 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.integration.conftest import ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
     get_json,
@@ -17,6 +16,7 @@ from tests.integration.llama import (
     post_action,
     stream_completion,
 )
+from tests.integration.conftest import ServerFactory
 
 POOL = ("-c", "2048", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
 

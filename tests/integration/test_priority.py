@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 
 from controller.app import App
+from testkit.llama import get_json, stream_completion
 from tests.integration.conftest import ServerFactory
-from tests.integration.llama import get_json, stream_completion
 from tests.integration.test_stack import assert_complete, kvctl, request
 
 

@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from controller.proxy import AdmissionGate
-from tests.integration.conftest import ProxyFactory, ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
     free_port,
@@ -23,6 +22,7 @@ from tests.integration.llama import (
     sse_events,
     stream_completion,
 )
+from tests.integration.conftest import ProxyFactory, ServerFactory
 
 POOL = ("-c", "4096", "-np", "4", "-kvu", "--slots", "--metrics")
 

@@ -8,7 +8,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from tests.integration.llama import free_port
+from testkit.llama import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

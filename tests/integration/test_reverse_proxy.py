@@ -28,8 +28,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from testkit.llama import StreamResult, free_port, get_json, stream_completion
 from tests.integration.conftest import ServerFactory
-from tests.integration.llama import StreamResult, free_port, get_json, stream_completion
 from tests.integration.test_stack import kvctl, request
 
 pytestmark = pytest.mark.server

@@ -12,8 +12,7 @@ import aiohttp
 import psutil
 import pytest
 
-from tests.integration.conftest import ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
     get_json,
@@ -21,6 +20,7 @@ from tests.integration.llama import (
     post_action,
     stream_completion,
 )
+from tests.integration.conftest import ServerFactory
 
 LEASE = {"X-Park-Lease": "1"}
 

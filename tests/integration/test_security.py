@@ -9,9 +9,9 @@ from pathlib import Path
 
 import aiohttp
 
+from testkit.llama import NO_BYTE_TOKENS, free_port, stream_completion
 from tests.integration.conftest import ServerFactory
 from tests.integration.faults import KvctlProcess
-from tests.integration.llama import NO_BYTE_TOKENS, free_port, stream_completion
 
 UPSTREAM_KEY = "sk-upstream-secret-7d1e"
 ADMIN_TOKEN = "admin-secret-91c4"

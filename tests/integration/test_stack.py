@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.app import App
 from controller.settings import load_settings
-from tests.integration.conftest import ServerFactory
-from tests.integration.llama import (
+from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,
     free_port,
@@ -24,6 +23,7 @@ from tests.integration.llama import (
     parse_metrics,
     stream_completion,
 )
+from tests.integration.conftest import ServerFactory
 
 
 @contextlib.asynccontextmanager

@@ -18,9 +18,9 @@ import pytest
 
 from controller.app import App
 from controller.settings import load_settings
+from testkit.llama import free_port, server_argv, sse_events
 from tests.integration.conftest import ProxyFactory, ServerFactory
 from tests.integration.faults import request, wait_until
-from tests.integration.llama import free_port, server_argv, sse_events
 from tests.integration.test_proxy import POOL
 
 pytestmark = pytest.mark.server

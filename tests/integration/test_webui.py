@@ -9,7 +9,7 @@ dozens of park/resume cycles while the browser streams it. The WebUI's streams a
   stored answer is again the whole one;
 - Stop ends generation on the server: its slots go idle with fewer tokens predicted than the request allowed.
 
-The server runs greedy (``--temp 0``, as every test server: tests/integration/llama.py), so that the answer is a
+The server runs greedy (``--temp 0``, as every test server: testkit/llama.py), so that the answer is a
 fact to compare with, computed once the browser's request has ended (a batch of two can round differently).
 Chromium is Debian's (/usr/bin/chromium, installed by scripts/test.sh; ``KVCTL_CHROMIUM`` names another).
 """
@@ -28,8 +28,8 @@ import aiohttp
 import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
+from testkit.llama import ServerProcess, get_json, parse_metrics
 from tests.integration.conftest import ServerFactory
-from tests.integration.llama import ServerProcess, get_json, parse_metrics
 from tests.integration.test_stack import kvctl
 
 pytestmark = pytest.mark.server

@@ -25,7 +25,7 @@ from controller.policy import (
 )
 from controller.settings import RestoreOrder
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState
-from tests.unit.snapshots import S, kv
+from testkit.snapshots import S, kv
 
 CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)
 NOW = 1_000_000

@@ -26,7 +26,7 @@ from controller.policy import (
     pressure,
 )
 from controller.upstream.models import KvSnapshot, SlotState
-from tests.unit.snapshots import S, kv
+from testkit.snapshots import S, kv
 from tests.unit.test_policy import PROPS, snapshots
 
 CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.proxy import ProxyConfig, make_proxy_app
 from controller.proxy.app import run_site, tls_context
-from tests.integration.llama import free_port
+from testkit.llama import free_port
 
 
 @pytest.fixture

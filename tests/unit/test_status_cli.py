@@ -311,15 +311,16 @@ class FakeAdmin:
             return web.json_response({"error": {"message": "a bearer token is required"}}, status=401)
         return None
 
+    # `is None`, not `or`: a response is a mapping, and an empty one is falsy before aiohttp 3.11
     async def _status(self, request: web.Request) -> web.Response:
-        return self._refused(request) or web.Response(
-            status=self.status, text=self.body, content_type="application/json"
-        )
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return web.Response(status=self.status, text=self.body, content_type="application/json")
 
     async def _action(self, request: web.Request) -> web.Response:
-        return self._refused(request) or web.Response(
-            status=self.action_status, text=self.action_body, content_type="application/json"
-        )
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return web.Response(status=self.action_status, text=self.action_body, content_type="application/json")
 
 
 @pytest.fixture

@@ -79,11 +79,11 @@ def all_files(tests: Path) -> list[str]:
 
 
 def model(paths: Paths) -> Path:
-    from controller import testmodels
+    from testkit import models
 
     out = Path(tempfile.gettempdir()) / "kvctl-upstream-tests" / "tiny.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
-    return testmodels.write_llama(out, paths.vocab / "ggml-vocab-llama-spm.gguf", testmodels.SIZES["tiny"])
+    return models.write_llama(out, paths.vocab / "ggml-vocab-llama-spm.gguf", models.SIZES["tiny"])
 
 
 def free_port() -> int:

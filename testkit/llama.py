@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 # SPM byte-fallback tokens <0x00>..<0xFF>. A token that ends in an incomplete UTF-8 sequence gets no
 # stream chunk of its own (the server sends its bytes with the next one), so its id never reaches the
@@ -237,20 +238,15 @@ async def post_action(
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text: unlabelled samples by name; every sample must have a # TYPE line."""
-    typed: set[str] = set()
+    """Prometheus text: unlabelled samples by name; every sample must have a # TYPE line.
+
+    Parsed by prometheus_client's own parser: a sample of a family with no ``# TYPE`` line comes back in a family
+    of type ``unknown``.
+    """
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            typed.add(line.split()[2])
-        elif line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            base = name.split("{", 1)[0]
-            family = base
-            for suffix in ("_bucket", "_count", "_sum", "_created", "_total"):
-                if base.endswith(suffix) and base.removesuffix(suffix) in typed:
-                    family = base.removesuffix(suffix)
-            assert family in typed, f"{base} has no # TYPE line"
-            if "{" not in name:
-                values[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert family.type != "unknown", f"{sample.name} has no # TYPE line"
+            if not sample.labels:
+                values[sample.name] = float(sample.value)
     return values

@@ -11,23 +11,35 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tests.integration.llama import free_port
+from testkit.llama import free_port
+
+# `kvctl` from this checkout, with the interpreter that runs the caller
+KVCTL = (sys.executable, "-m", "controller.cli")
 
 
 @contextlib.contextmanager
 def start_stack(
-    upstream: str, *extra: str, env: dict[str, str] | None = None, cpus: set[int] | None = None
+    upstream: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
+    kvctl: Sequence[str] = KVCTL,
+    log_path: Path | None = None,
+    timeout_s: float = 30.0,
 ) -> Iterator[str]:
-    """Yields the proxy's URL; kvctl's admin listener is at `stack_admin(url)`."""
+    """Yields the proxy's URL once kvctl is ready; kvctl's admin listener is at `stack_admin(url)`.
+
+    ``kvctl``: the command that is ``kvctl`` (an installed console script, say); ``extra``: more ``run`` arguments
+    (``--spawn -- llama-server ...`` last). On the way out kvctl gets SIGTERM (and stops a server it spawned), then
+    SIGKILL after 15 s.
+    """
     pport, aport = free_port(), free_port()
-    log = Path(tempfile.mkstemp(prefix="kvctl-bench-", suffix=".log")[1])
+    log = log_path or Path(tempfile.mkstemp(prefix="kvctl-bench-", suffix=".log")[1])
     cmd = [
-        sys.executable,
-        "-m",
-        "controller.cli",
+        *kvctl,
         "run",
         "--upstream",
         upstream,
@@ -49,7 +61,7 @@ def start_stack(
         )
     _ADMIN[f"http://127.0.0.1:{pport}"] = (f"http://127.0.0.1:{aport}", proc.pid)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvctl exited with {proc.returncode}: {log.read_text()[-2000:]}")

@@ -1,4 +1,4 @@
-"""Unit tests for controller.testmodels (no llama-server needed)."""
+"""Unit tests for testkit.models (no llama-server needed)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
-from controller import testmodels
-from controller.testmodels import SIZES, SPEC_KEY, LlamaSpec, spec_fields, write_llama
+from testkit import models
+from testkit.models import SIZES, SPEC_KEY, LlamaSpec, spec_fields, write_llama
 
 VOCAB_NAME = "ggml-vocab-llama-spm.gguf"
 F32 = gguf.GGMLQuantizationType.F32
@@ -53,7 +53,7 @@ def _tensors(reader: gguf.GGUFReader) -> dict[str, gguf.ReaderTensor]:
 def _stamp(path: Path) -> dict[str, Any]:
     # The module's own header scan: far cheaper than a full GGUFReader parse,
     # and test_spec_key checks it agrees with GGUFReader.
-    raw = testmodels._read_stamp(path)
+    raw = models._read_stamp(path)
     assert raw is not None, path
     result: dict[str, Any] = json.loads(raw)
     return result
@@ -194,7 +194,7 @@ def test_corrupt_target_is_rewritten(vocab: Path, tmp_path: Path) -> None:
 def test_cli(vocab: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cli.gguf"
     argv = ["llama", "--vocab", str(vocab), "--out", str(out), "--size", "tiny"]
-    rc = testmodels.main([*argv, "--seed", "3", "--n-layer", "1", "--hidden-std", "0.1"])
+    rc = models.main([*argv, "--seed", "3", "--n-layer", "1", "--hidden-std", "0.1"])
     assert rc == 0
     assert str(out) in capsys.readouterr().out
     assert _stamp(out)["spec"] == spec_fields(LlamaSpec(seed=3, n_layer=1, hidden_std=0.1))

@@ -8,7 +8,7 @@ the writers on every test run: an up-to-date file is left untouched.
 
 Usage::
 
-    python -m controller.testmodels llama --vocab ggml-vocab-llama-spm.gguf \\
+    python -m testkit.models llama --vocab ggml-vocab-llama-spm.gguf \\
         --out tiny.gguf [--size tiny|bench] [--seed N] [--n-embd N] ...
 """
 
@@ -529,7 +529,7 @@ def _overrides(args: argparse.Namespace, template: Any) -> dict[str, Any]:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m controller.testmodels",
+        prog="python -m testkit.models",
         description="Write seedable random-weight GGUF test models.",
     )
     sub = parser.add_subparsers(dest="arch", required=True)

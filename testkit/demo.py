@@ -1,6 +1,6 @@
 """The quickstart's demo: a burst of concurrent chats that would overflow the pool.
 
-    python -m controller.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000]
+    python -m testkit.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000]
 
 Sends the chats through kvctl's proxy with the openai SDK, then prints how many completed and how
 many parks it took (kvctl's own and the server's safety net's). Exit 0 only if every chat completed.
@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 
 async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, int, str]:
@@ -38,12 +39,14 @@ async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, i
 
 
 async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float:
+    """The sum of every sample in ``url``'s /metrics whose name starts with ``prefix``."""
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
     return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(prefix) and not line.startswith("#")
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(prefix)
     )
 
 
@@ -71,7 +74,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m controller.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m testkit.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--proxy", default="http://127.0.0.1:8080")
     ap.add_argument("--admin", default="http://127.0.0.1:8091")
