@@ -349,6 +349,15 @@ def test_a_request_evaluating_its_tokens_again_counts_at_its_full_length() -> No
     assert resumed_slots(run(unreserved)) == [2]
 
 
+def test_a_test_park_is_left_to_the_server() -> None:
+    """--park-test-interval parks are resumed by the server on its next iteration: a resume of one would race it."""
+    snap = kv(1000, [S("generating", 400, t_arrival_ms=1), S("parked", 300, parked_since_ms=NOW - 10)])
+    assert resumed_slots(run(snap)) == [1]
+    test_park = snap.slots[1].park.model_copy(update={"test": True})
+    snap = snap.model_copy(update={"slots": [snap.slots[0], snap.slots[1].model_copy(update={"park": test_park})]})
+    assert resumed_slots(run(snap)) == []
+
+
 def test_a_request_parked_by_recompute_is_restored_at_its_full_length() -> None:
     snap = kv(
         1000,
