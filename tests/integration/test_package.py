@@ -100,7 +100,9 @@ def installed(python: Path) -> dict[str, Version]:
         "import importlib.metadata as m, json; "
         "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
     )
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    # not from the checkout: its kvctl.egg-info (an editable install's) would be found on the current directory
+    argv = [str(python), "-c", code]
+    out = subprocess.run(argv, cwd=python.parent, capture_output=True, text=True, check=True, timeout=60).stdout
     return {canonicalize_name(k): Version(v) for k, v in json.loads(out).items()}
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import signal
 import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -98,28 +100,33 @@ def test_quickstart_cuda_without_nvcc_is_refused(tmp_path: Path) -> None:
 def test_quickstart_prints_the_webui_address_and_stops_on_ctrl_c(llama_server_bin: Path) -> None:
     port, admin, sport = free_port(), free_port(), free_port()
     env = {**os.environ, "PORT": str(port), "ADMIN_PORT": str(admin), "SERVER_PORT": str(sport)}
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "quickstart.sh")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
         start_new_session=True,  # Ctrl-C reaches the whole foreground group: send it to the group
-    )
-    try:
+    ) as proc:
         assert proc.stderr is not None
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if "ready:" in line or "kvctl exited" in line:
-                break
-        said = "".join(lines)
-        assert f"ready: open http://127.0.0.1:{port}/ in a browser for the WebUI, through kvctl" in said, said
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as resp:
-            assert resp.status == 200 and b"<html" in resp.read().lower()
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=60)
+        lines: list[str] = []
+        try:
+            for line in proc.stderr:
+                lines.append(line)
+                if "ready:" in line or "kvctl exited" in line:
+                    break
+            # keep reading what kvctl logs, or a full pipe would stop it
+            drain = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+            drain.start()
+            said = "".join(lines)
+            assert f"ready: open http://127.0.0.1:{port}/ in a browser for the WebUI, through kvctl" in said, said
+            # the server keeps the WebUI gzipped and answers 415 to a client that does not take gzip
+            page = urllib.request.Request(f"http://127.0.0.1:{port}/", headers={"Accept-Encoding": "gzip"})
+            with urllib.request.urlopen(page, timeout=10) as resp:
+                assert resp.status == 200 and b"<html" in gzip.decompress(resp.read()).lower()
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=60)
     assert rc in (0, 130, 143), f"exit status {rc}"
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"--port {sport}" not in ps and f"127.0.0.1:{admin}" not in ps, "Ctrl-C left kvctl or its server running"
