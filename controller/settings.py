@@ -4,7 +4,7 @@ Sources, highest first: command-line flags, ``KVCTL_*`` environment variables (n
 e.g. ``KVCTL_POLICY__HIGH=0.9``), an optional TOML file (``--config``; tables named after the
 groups), then the defaults below. An invalid value stops start-up with one line naming the setting.
 
-``python -m controller.settings --markdown`` prints the settings table of the README.
+``python -m controller.settings --markdown`` prints the settings table of docs/operations.md.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ HostPort = Annotated[str, AfterValidator(_check_host_port)]
 
 
 class _Group(BaseModel):
-    # attribute docstrings become field descriptions: the README table is generated from them
+    # attribute docstrings become field descriptions: the settings table (docs/operations.md) is generated from them
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
@@ -289,7 +289,7 @@ class RestoreOrder(StrEnum):
 
 
 class PolicySettings(_Group):
-    """The watermark policy (see README, "The controller")."""
+    """The watermark policy (docs/controller.md)."""
 
     high: float = Field(default=0.94, gt=0, lt=1)
     """Park at or above this projected occupancy (ratio of the pool). The 6 % above it (491 cells of 8192) must hold
@@ -632,7 +632,7 @@ def _default_text(value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The settings table for the README, from the model itself."""
+    """The settings table of docs/operations.md, from the model itself."""
     rows = ["| setting | environment | default | meaning |", "|---|---|---|---|"]
     for group_name, group_field in Settings.model_fields.items():
         group = group_field.annotation
@@ -647,7 +647,7 @@ def markdown_table() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m controller.settings", description=__doc__)
-    parser.add_argument("--markdown", action="store_true", help="print the README's settings table")
+    parser.add_argument("--markdown", action="store_true", help="print the settings table (docs/operations.md)")
     parser.add_argument("--config", type=Path, help="check a TOML file (and the environment) and print the result")
     args = parser.parse_args(argv)
     if args.markdown:

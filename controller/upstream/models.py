@@ -1,4 +1,4 @@
-"""The JSON shapes of the patched llama-server's /kv, /slots, park and resume (see README, "Endpoints").
+"""The JSON shapes of the patched llama-server's /kv, /slots, park and resume (docs/patches.md, "Endpoints").
 
 Unknown fields are ignored, so a newer server does not break an older controller; a missing field
 fails parsing, so a server without the patches is reported as such instead of being misread. Fields

@@ -1,7 +1,7 @@
 """The fault matrix: what kvctl and the patched server do when a part of the stack fails.
 
 Each fault runs on the real patched server, except the two that need a server that misbehaves on
-demand (hung, malformed answers): those use a test double. The README's "Reliability" section lists
+demand (hung, malformed answers): those use a test double. The "Reliability" section of docs/operations.md lists
 each fault and what a user sees.
 """
 
