@@ -74,13 +74,20 @@ def start_stack(
             time.sleep(0.1)
         yield f"http://127.0.0.1:{pport}"
     finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
+    """SIGTERM to a process started with ``start_new_session``, and to its children (a spawned server); SIGKILL
+    to them all after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
 
 
 _ADMIN: dict[str, tuple[str, int]] = {}

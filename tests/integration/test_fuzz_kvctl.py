@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import posixpath
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testkit.llama import ServerProcess, free_port, stream_completion
+from testkit.stack import stop_group
 from tests.integration.conftest import ServerFactory
 from tests.integration.faults import (
     ROOT,
@@ -123,12 +123,7 @@ def stack(llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.Tem
         assert f"{ROOT}/controller/" not in text, text[-5000:]
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
         srv.stop()
 
 

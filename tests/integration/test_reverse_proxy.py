@@ -129,32 +129,24 @@ async def check_through(front: str, http: aiohttp.ClientSession, server: str, ad
         assert resp.status == 200, f"a 2 MiB body was refused ({resp.status})"
 
 
-async def test_the_documented_nginx_configuration(
-    start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+def front_command(kind: str, tmp: Path, port: int, kvctl_port: int) -> tuple[list[str], dict[str, str] | None]:
+    """The reverse proxy's command line and environment (None: this one's)."""
+    if kind == "nginx":
+        conf = nginx_conf(tmp, port, kvctl_port)
+        return [shutil.which("nginx") or "/usr/sbin/nginx", "-c", str(conf), "-p", str(tmp)], None
+    conf = caddyfile(tmp, port, kvctl_port)
+    home = str(tmp)  # Caddy keeps its state under the home folder
+    env = {"HOME": home, "XDG_DATA_HOME": home, "XDG_CONFIG_HOME": home, "PATH": "/usr/bin"}
+    return [shutil.which("caddy") or "/usr/bin/caddy", "run", "--config", str(conf), "--adapter", "caddyfile"], env
+
+
+@pytest.mark.parametrize("kind", ["nginx", "caddy"])
+async def test_the_documented_configuration(
+    kind: str, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics")
     async with kvctl(srv.url) as (_app, url, admin):
         port = free_port()
-        conf = nginx_conf(tmp_path, port, int(url.rsplit(":", 1)[1]))
-        with running([nginx, "-c", str(conf), "-p", str(tmp_path)], port, tmp_path / "nginx.log") as front:
-            await check_through(front, http, srv.url, admin)
-
-
-async def test_the_documented_caddy_configuration(
-    start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
-) -> None:
-    caddy = shutil.which("caddy") or "/usr/bin/caddy"
-    srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics")
-    async with kvctl(srv.url) as (_app, url, admin):
-        port = free_port()
-        conf = caddyfile(tmp_path, port, int(url.rsplit(":", 1)[1]))
-        env = {
-            "HOME": str(tmp_path),
-            "XDG_DATA_HOME": str(tmp_path),
-            "XDG_CONFIG_HOME": str(tmp_path),
-            "PATH": "/usr/bin",
-        }
-        argv = [caddy, "run", "--config", str(conf), "--adapter", "caddyfile"]
-        with running(argv, port, tmp_path / "caddy.log", env) as front:
+        argv, env = front_command(kind, tmp_path, port, int(url.rsplit(":", 1)[1]))
+        with running(argv, port, tmp_path / f"{kind}.log", env) as front:
             await check_through(front, http, srv.url, admin)
