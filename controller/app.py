@@ -228,6 +228,9 @@ class App:
             priority_max_wait_s=self.settings.policy.priority_max_wait_s,
             priority_high_at=self.settings.policy.priority_high_at,
             priority_low_at=self.settings.policy.priority_low_at,
+            replay_limit=p.replay_limit,
+            replay_timeout_s=p.replay_timeout_s,
+            replay_memory_bytes=p.replay_memory_mib << 20,
         )
         self.loop.add_poll_listener(self._update_gate)
         self.loop.add_poll_listener(self._check_hung)

@@ -249,6 +249,21 @@ class ProxySettings(_Group):
     retry_after_s: int = Field(default=2, ge=1)
     """The Retry-After value of the proxy's 503 answers."""
 
+    replay_limit: int = Field(default=3, ge=0)
+    """When the server dies mid-stream (a crash, an OOM kill), how many times a streaming generation is continued
+    in the restarted server from the tokens its client has (the server's `continuation_tokens`); 0 turns replay
+    off. A client can opt out with `X-Kvctl-Replay: off`. Not replayed: Responses streams and conversation streams
+    (the WebUI's), which end with the error event as before."""
+
+    replay_timeout_s: float = Field(default=120.0, gt=0)
+    """How long an interrupted stream waits (with heartbeats) for the server to answer `/health` again before its
+    continuation is sent; past it, or past `replay_limit`, the client gets its protocol's error event."""
+
+    replay_memory_mib: int = Field(default=64, ge=0)
+    """Memory for what replay keeps, all streams together: each request's body and the ids of the tokens its
+    client has received (4 bytes each). A stream that does not fit is not replayable (logged
+    `replay.not_replayable`)."""
+
 
 class AdminSettings(_Group):
     """The admin listener: status, metrics, probes and manual park/resume."""

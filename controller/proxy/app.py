@@ -49,6 +49,7 @@ from controller.proxy.priority import (
     priority_label,
     resolve_priority,
 )
+from controller.proxy.replay import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript, replayable_route
 from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 
@@ -105,6 +106,9 @@ class ProxyConfig:
     priority_max_wait_s: float = 120.0  # a request queued longer counts as the highest priority present
     priority_high_at: int = 1  # the priority_class label's thresholds (policy.priority_high_at, priority_low_at)
     priority_low_at: int = -1
+    replay_limit: int = 3  # continuations of a stream whose server died (proxy.replay_limit); 0: off
+    replay_timeout_s: float = 120.0
+    replay_memory_bytes: int = 64 << 20
 
 
 @dataclass(eq=False)
@@ -124,6 +128,11 @@ class Inflight:
         if self.upstream is not None:
             self.upstream.close()  # a pending read raises ClientConnectionError at once
 
+
+_EOF = "the server's response ended before its final event"
+
+# sends a continuation's body as the interrupted request went: its response's context and the response
+Reopen = Callable[[bytes], Awaitable[tuple[Any, aiohttp.ClientResponse]]]
 
 # the values of the priority_class label (controller.policy.priority_class)
 PRIORITY_CLASSES = ("high", "normal", "low")
@@ -151,6 +160,7 @@ class ProxyMetrics:
     stream_errors: Counter = field(init=False)
     heartbeats: Counter = field(init=False)
     auth_failures: Counter = field(init=False)
+    replays: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -181,6 +191,16 @@ class ProxyMetrics:
         self.auth_failures = Counter(
             "kvctl_proxy_auth_failures", "Requests refused for their credentials (401)", registry=r
         )
+        self.replays = Counter(
+            "kvctl_proxy_replays",
+            "Streams whose server died, by outcome: continued in the restarted server (sent), or ended with an error "
+            "event (gave_up: past proxy.replay_limit or replay_timeout_s; refused: the server refused the "
+            "continuation)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("sent", "gave_up", "refused"):
+            self.replays.labels(outcome=outcome)
 
 
 def is_utf8(value: str) -> bool:
@@ -361,6 +381,7 @@ class Proxy:
             else None
         )
         self.owners = Owners()  # conversation ids and completion ids, by key name (several keys only)
+        self.replay_memory = ReplayMemory(config.replay_memory_bytes)
         self.draining = False
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._orphans: set[asyncio.Future[None]] = set()  # conversation requests whose client left while queued
@@ -424,7 +445,7 @@ class Proxy:
         # server reads it over the body's; on anything else a client's has no business reaching the server
         drop = (
             HOP_BY_HOP
-            | {"x-request-id", "x-park-lease", "content-length", PRIORITY_HEADER.lower()}
+            | {"x-request-id", "x-park-lease", "content-length", PRIORITY_HEADER.lower(), OPT_OUT_HEADER.lower()}
             | (set(CREDENTIALS) if own_keys else set())
         )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
@@ -751,6 +772,19 @@ class Proxy:
                 )
             self.owners.set(conversation, owner)
 
+        transcript = None
+        replay_on = self.config.replay_limit > 0 and request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
+        if (
+            replay_on
+            and stream
+            and not conversation
+            and not predict
+            and isinstance(payload, dict)
+            and replayable_route(route.path)
+        ):
+            # the server follows each event with its tokens' ids: what a continuation starts from
+            transcript = Transcript.start(route.path, payload, len(body), self.replay_memory, request_id)
+            headers[ANNOUNCE_HEADER] = "1"
         entry = Inflight(request_id, client_request_id, route.path, time.monotonic())
         self.inflight[request_id] = entry
         self.metrics.inflight.inc()
@@ -793,8 +827,12 @@ class Proxy:
                 entry=entry,
                 raw=bool(conversation),
                 owner=owner,
+                transcript=transcript,
+                resend=replay_on and not conversation,
             )
         finally:
+            if transcript is not None:
+                transcript.release()
             self.inflight.pop(request_id, None)
             self.metrics.inflight.dec()
 
@@ -968,6 +1006,8 @@ class Proxy:
         query: str | None = None,
         filter_owner: str | None = None,
         owner: str | None = None,
+        transcript: Transcript | None = None,
+        resend: bool = False,
     ) -> web.StreamResponse:
         generation = route is not None and route.kind is Kind.GENERATION
         label = request.path if route is not None else "other"
@@ -979,12 +1019,28 @@ class Proxy:
         raw_path = request.raw_path.split("?", 1)[0]
         path_qs = request.raw_path if query is None else raw_path + ("?" + query if query else "")
         url = self.origin + path_qs
+        resends = 0
+        deadline = time.monotonic() + self.config.replay_timeout_s
         try:
-            try:
-                upstream_cm, upstream = await self._send(request, url, body, headers, entry)
-            finally:
-                if relayed:
-                    self.relays.discard(entry)
+            while True:
+                try:
+                    upstream_cm, upstream = await self._send(request, url, body, headers, entry)
+                    break
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                    # sent, and the server died before it answered (not: nothing listens, which is answered at once):
+                    # the client has seen nothing of it, so it is sent again once the server is back
+                    if (
+                        not resend
+                        or isinstance(e, aiohttp.ClientConnectorError)
+                        or resends >= self.config.replay_limit
+                        or not await self._wait_ready(request, prepared, entry, deadline)
+                    ):
+                        raise
+                    resends += 1
+                    log.warning("replay.resend", request_id=request_id, attempt=resends, error=str(e))
+                finally:
+                    if relayed:
+                        self.relays.discard(entry)
         except UpstreamEnded as e:
             return await self.ended_before_start(request, route, prepared, str(e))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -1024,7 +1080,14 @@ class Proxy:
                 await resp.prepare(request)
                 await self.relay_bytes(request, upstream, resp, request_id, owner if is_sse else None)
                 return resp
-            await self.relay_events(request, upstream, resp, route, request_id, entry, owner)
+
+            async def reopen(continuation: bytes) -> tuple[Any, aiohttp.ClientResponse]:
+                assert entry is not None
+                return await self._send(request, url, continuation, headers, entry)
+
+            await self.relay_events(
+                request, upstream, resp, route, request_id, entry, owner, replay=(transcript, reopen)
+            )
             return resp
         except asyncio.CancelledError:
             # the client hung up: leaving the upstream context closes that connection, and llama-server releases
@@ -1155,52 +1218,166 @@ class Proxy:
         request_id: str | None,
         entry: Inflight | None,
         owner: str | None,
+        replay: tuple[Transcript | None, Reopen] | None = None,
     ) -> None:
+        """A generation's events to the client, with heartbeats over silences. With a transcript, a stream whose
+        server died goes on in the restarted server (``_replay``): an event is written once its tokens' ids have
+        arrived after it, so that the client never holds a token the continuation would send again."""
+        transcript, reopen = replay if replay is not None else (None, None)
         framer = SSEFramer()
         t0 = entry.t_start if entry is not None else time.monotonic()
         first = True
         last = time.monotonic()
-        while True:
-            try:
-                chunk = await self._read(upstream)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-                if entry is not None and entry.ended.done():
-                    message, code = self.end_message(entry.ended.result())
-                else:
-                    message, code = f"llama-server went away mid-stream: {e}", Code.UPSTREAM_DISCONNECTED
-                self.metrics.stream_errors.labels(stage=code).inc()
-                log.warning("stream.ended", request_id=request_id, reason=code, error=str(e))
-                await self.write(request, resp, error_event(route, 502, message, code))
-                return
-            if chunk is None:
-                if time.monotonic() - last >= self.config.upstream_read_timeout_s:
-                    message, code = self.end_message("timeout")
+        held: bytes | None = None  # a data event whose ids may still be on the way
+        replaced: Any = None  # the context of a continuation's response: ours to close
+        try:
+            while True:
+                gave_up = False
+                try:
+                    chunk = await self._read(upstream)
+                    ended = None if chunk is None or chunk else _EOF
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                    chunk, ended = b"", str(e)
+                if ended is not None and transcript is not None and not transcript.done and reopen is not None:
+                    held = None  # its ids never came: the continuation sends its tokens again
+                    framer = SSEFramer()  # an event the server left half-written is dropped with it
+                    again = await self._replay(request, resp, transcript, entry, reopen, ended)
+                    if again is not None:
+                        if replaced is not None:
+                            await replaced.__aexit__(None, None, None)
+                        replaced, upstream = again
+                        if entry is not None:
+                            entry.upstream = upstream
+                        last = time.monotonic()
+                        continue
+                    gave_up = True
+                if ended is not None and (ended != _EOF or gave_up):
+                    if entry is not None and entry.ended.done():
+                        message, code = self.end_message(entry.ended.result())
+                    else:
+                        message, code = f"llama-server went away mid-stream: {ended}", Code.UPSTREAM_DISCONNECTED
                     self.metrics.stream_errors.labels(stage=code).inc()
-                    log.warning("stream.ended", request_id=request_id, reason=code)
-                    if framer.pending:
-                        await self.write(request, resp, b"\n\n")  # close the event the server left open
-                    await self.write(request, resp, error_event(route, 504, message, code))
+                    log.warning("stream.ended", request_id=request_id, reason=code, error=ended)
+                    await self.write(request, resp, error_event(route, 502, message, code))
                     return
-                if not framer.pending:
-                    await self.heartbeat(request, resp, "silence")
+                if chunk is None:
+                    if time.monotonic() - last >= self.config.upstream_read_timeout_s:
+                        message, code = self.end_message("timeout")
+                        self.metrics.stream_errors.labels(stage=code).inc()
+                        log.warning("stream.ended", request_id=request_id, reason=code)
+                        if held is not None:
+                            await self.write(request, resp, held)
+                        if framer.pending:
+                            await self.write(request, resp, b"\n\n")  # close the event the server left open
+                        await self.write(request, resp, error_event(route, 504, message, code))
+                        return
+                    if not framer.pending:
+                        await self.heartbeat(request, resp, "silence")
+                    continue
+                if not chunk:
+                    rest = (held or b"") + framer.flush()
+                    if rest:
+                        await self.write(request, resp, rest)
+                    return
+                last = time.monotonic()
+                out: list[bytes] = []
+                for event in framer.feed(chunk):
+                    if first and has_data(event):
+                        first = False
+                        self.metrics.ttft.observe(time.monotonic() - t0)
+                        if owner is not None:
+                            self._record_completion_id(event, owner)
+                    if is_comment(event):
+                        text = comment_text(event)
+                        if text in ("parked", "resumed"):
+                            log.info(f"stream.{text}", request_id=request_id)
+                    if transcript is None:
+                        out.append(event)
+                        continue
+                    transcript.observe(event)
+                    if transcript.replays:
+                        event = transcript.splice(event)
+                    if held is not None:
+                        out.append(held)
+                        held = None
+                    if has_data(event) and not transcript.done:
+                        held = event
+                    else:
+                        out.append(event)
+                if out:
+                    await self.write(request, resp, b"".join(out))
+        finally:
+            if replaced is not None:
+                await replaced.__aexit__(None, None, None)
+
+    async def _replay(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        transcript: Transcript,
+        entry: Inflight | None,
+        reopen: Reopen,
+        why: str,
+    ) -> tuple[Any, aiohttp.ClientResponse] | None:
+        """The server died under this stream: wait (heartbeating the client) for it to answer ``/health`` again, then
+        send the request continued from the ids the client has. The continuation's response (its context and the
+        response), or None: not replayable, kvctl ended the request, or past ``replay_limit`` or
+        ``replay_timeout_s``."""
+        if not transcript.replayable or entry is None or entry.ended.done():
+            return None
+        deadline = time.monotonic() + self.config.replay_timeout_s
+        while transcript.replays < self.config.replay_limit and time.monotonic() < deadline:
+            transcript.replays += 1
+            log.warning(
+                "replay.waiting",
+                request_id=transcript.request_id,
+                attempt=transcript.replays,
+                tokens=len(transcript.ids),
+                reason=why,
+            )
+            if not await self._wait_ready(request, resp, entry, deadline):
+                break
+            try:
+                cm, upstream = await reopen(transcript.continuation())
+            except UpstreamEnded:
+                return None
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                why = str(e)
                 continue
-            if not chunk:
-                rest = framer.flush()
-                if rest:
-                    await self.write(request, resp, rest)
-                return
-            last = time.monotonic()
-            for event in framer.feed(chunk):
-                if first and has_data(event):
-                    first = False
-                    self.metrics.ttft.observe(time.monotonic() - t0)
-                    if owner is not None:
-                        self._record_completion_id(event, owner)
-                if is_comment(event):
-                    text = comment_text(event)
-                    if text in ("parked", "resumed"):
-                        log.info(f"stream.{text}", request_id=request_id)
-                await self.write(request, resp, event)
+            if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                self.metrics.replays.labels(outcome="sent").inc()
+                log.info("replay.sent", request_id=transcript.request_id, tokens=len(transcript.ids))
+                return cm, upstream
+            data = await self._read_all(upstream)
+            await cm.__aexit__(None, None, None)
+            self.metrics.replays.labels(outcome="refused").inc()
+            log.warning(
+                "replay.refused", request_id=transcript.request_id, status=upstream.status, body=(data or b"")[:300]
+            )
+            return None
+        self.metrics.replays.labels(outcome="gave_up").inc()
+        log.warning("replay.gave_up", request_id=transcript.request_id, attempts=transcript.replays)
+        return None
+
+    async def _wait_ready(
+        self, request: web.Request, resp: web.StreamResponse | None, entry: Inflight | None, deadline: float
+    ) -> bool:
+        """Until the server answers ``/health`` with 200 (restarted and loaded), a heartbeat to a stream's client
+        every ``heartbeat_s``; False past the deadline or when kvctl ends the request."""
+        assert self.session is not None
+        if entry is None:
+            return False
+        next_beat = time.monotonic() + self.config.heartbeat_s
+        while time.monotonic() < deadline and not entry.ended.done():
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with asyncio.timeout(2.0), self.session.get(URL(self.origin + "/health", encoded=True)) as r:
+                    if r.status == 200:
+                        return True
+            if resp is not None and time.monotonic() >= next_beat:
+                await self.heartbeat(request, resp, "server restarting")
+                next_beat = time.monotonic() + self.config.heartbeat_s
+            await asyncio.sleep(0.25)
+        return False
 
     def _record_completion_id(self, event: bytes, owner: str) -> None:
         for line in event.split(b"\n"):

@@ -280,9 +280,10 @@ async def kvctl_status_cli(admin: str) -> tuple[int, Any]:
     return proc.returncode or 0, json.loads(out)
 
 
-async def test_the_server_killed_mid_stream_is_restarted_and_every_client_gets_an_error(
+async def test_without_replay_the_server_killed_mid_stream_is_restarted_and_every_client_gets_an_error(
     llama_server_bin: Path, tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
+    """proxy.replay_limit 0 (tests/integration/test_replay.py has the default, where the streams go on)."""
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
     supervisor = {
@@ -293,7 +294,7 @@ async def test_the_server_killed_mid_stream_is_restarted_and_every_client_gets_a
         "log_file": str(tmp_path / "spawned.log"),
     }
     with capture_logs() as logs:
-        async with kvctl_app(upstream, supervisor=supervisor) as (app, url, admin):
+        async with kvctl_app(upstream, supervisor=supervisor, proxy={"replay_limit": 0}) as (app, url, admin):
             sup = app.supervisor
             assert sup is not None
 

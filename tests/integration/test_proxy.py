@@ -199,7 +199,8 @@ async def test_upstream_down_and_dying_mid_stream(
         assert resp.headers["X-Kvctl-Error"] == "upstream_unavailable"
 
     srv = start_server(*POOL)
-    url = await start_proxy(srv.url)
+    # a server kvctl does not manage and that does not come back: past replay_timeout_s the stream gets its error
+    url = await start_proxy(srv.url, replay_timeout_s=1.0)
     req = {"prompt": "The server dies", "n_predict": 100000, "ignore_eos": True, "stream": True}
     errors: list[dict[str, Any]] = []
     n_data = 0

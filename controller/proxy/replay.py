@@ -1,0 +1,158 @@
+"""Replay: a stream whose server died goes on in the restarted server, from the tokens it already produced.
+
+The patched server announces each streamed token's id after its event (``: tokens ID ...``, asked for with
+``X-Token-Ids: 1``) and continues a request from such ids (``continuation_tokens``, patch 0025): it evaluates the
+prompt and those tokens, takes them as generated (sampler history, length limits, usage, the text with its stop
+strings, the chat parser's state) and streams only what follows, opening no message, block or role again.
+
+What the proxy keeps of a streaming generation is a :class:`Transcript`: the request and the ids its client has
+received, within one memory budget for all of them (``proxy.replay_memory_mib``); a stream over the budget is not
+replayable. After a replay the continuation's events are spliced into the client's stream: an OpenAI stream keeps
+its first ``id`` and ``created``.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+__all__ = ["ANNOUNCE_HEADER", "OPT_OUT_HEADER", "ReplayMemory", "Transcript", "replayable_route"]
+
+log = structlog.get_logger("kvctl.proxy")
+
+ANNOUNCE_HEADER = "X-Token-Ids"  # "1": the server follows each event with the ids of its tokens
+OPT_OUT_HEADER = "X-Kvctl-Replay"  # "off": a client that prefers the error event to a continuation
+ID_BYTES = 4  # an id held in array('i')
+
+# the Responses API numbers its events and names its items: a continuation would need both renumbered (not yet)
+_NOT_REPLAYED = ("/v1/responses", "/responses")
+
+
+def replayable_route(path: str) -> bool:
+    return path not in _NOT_REPLAYED
+
+
+class ReplayMemory:
+    """The bytes all transcripts may hold together: request bodies and token ids."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+def _data_json(event: bytes) -> Any:
+    """The JSON of an event's data line, or None (a comment, [DONE], not JSON)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return None
+            try:
+                return json.loads(payload)
+            except (ValueError, RecursionError):
+                return None
+    return None
+
+
+def _is_final(event: bytes) -> bool:
+    """The event that ends a stream in its protocol: OpenAI's [DONE], the native final chunk ("stop": true),
+    Anthropic's message_stop."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
+            return True
+    doc = _data_json(event)
+    if not isinstance(doc, dict):
+        return False
+    return doc.get("stop") is True or doc.get("type") == "message_stop"
+
+
+@dataclass(eq=False)
+class Transcript:
+    """One streaming generation as far as its client has received it."""
+
+    route: str
+    payload: dict[str, Any]
+    memory: ReplayMemory
+    request_id: str
+    held: int = 0
+    ids: array[int] = field(default_factory=lambda: array("i"))
+    replayable: bool = True
+    done: bool = False
+    replays: int = 0
+    first_id: str | None = None
+    created: int | None = None
+
+    @classmethod
+    def start(
+        cls, route: str, payload: dict[str, Any], body_bytes: int, memory: ReplayMemory, request_id: str
+    ) -> Transcript:
+        t = cls(route, payload, memory, request_id)
+        if memory.take(body_bytes):
+            t.held = body_bytes
+        else:
+            t.drop("its request alone is over proxy.replay_memory_mib")
+        return t
+
+    def drop(self, why: str) -> None:
+        """Not replayable from here on; its memory goes back."""
+        if self.replayable:
+            log.info("replay.not_replayable", request_id=self.request_id, reason=why)
+        self.replayable = False
+        self.ids = array("i")
+        self.memory.give(self.held)
+        self.held = 0
+
+    def observe(self, event: bytes) -> None:
+        """Every event relayed to the client, in order: announced ids, the end, an OpenAI stream's identity."""
+        if event.startswith(b": tokens "):
+            if self.replayable:
+                fresh = [int(t) for t in event[len(b": tokens ") :].split()]
+                if self.memory.take(ID_BYTES * len(fresh)):
+                    self.held += ID_BYTES * len(fresh)
+                    self.ids.extend(fresh)
+                else:
+                    self.drop("over proxy.replay_memory_mib")
+            return
+        if _is_final(event):
+            self.done = True
+            return
+        if self.first_id is None:
+            doc = _data_json(event)
+            if isinstance(doc, dict) and isinstance(doc.get("id"), str):
+                self.first_id = doc["id"]
+                created = doc.get("created")
+                self.created = created if isinstance(created, int) else None
+
+    def continuation(self) -> bytes:
+        """The request again, continued from the ids the client has."""
+        return json.dumps({**self.payload, "continuation_tokens": self.ids.tolist()}).encode()
+
+    def splice(self, event: bytes) -> bytes:
+        """An event of a continuation as the client's stream carries it: OpenAI chunks keep the first id and
+        created (each request gets a new id); everything else is as the server sent it."""
+        if self.first_id is None or not event.startswith(b"data:"):
+            return event
+        doc = _data_json(event)
+        if not isinstance(doc, dict) or "id" not in doc:
+            return event
+        doc["id"] = self.first_id
+        if self.created is not None and "created" in doc:
+            doc["created"] = self.created
+        return b"data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def release(self) -> None:
+        self.memory.give(self.held)
+        self.held = 0
