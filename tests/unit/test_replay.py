@@ -31,6 +31,7 @@ class Upstream:
         self.total = total
         self.per_event = per_event
         self.hold_until = hold_until  # a stream's last event waits until this many requests have come
+        self.all_came = asyncio.Event()
         self.die: list[int | None] = []
         self.bodies: list[dict[str, Any]] = []
         self.announced: list[bool] = []
@@ -47,6 +48,8 @@ class Upstream:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if len(self.bodies) >= self.hold_until:
+            self.all_came.set()
         self.announced.append(request.headers.get("X-Token-Ids") == "1")
         n = len(self.bodies)
         die = self.die.pop(0) if self.die else None
@@ -68,8 +71,7 @@ class Upstream:
                 out += (": tokens " + " ".join(map(str, ids)) + "\n\n").encode()
             await resp.write(out)
         if self.hold_until:
-            while len(self.bodies) < self.hold_until:
-                await asyncio.sleep(0.01)
+            await self.all_came.wait()
             await asyncio.sleep(0.5)  # the proxy reads every stream's ids meanwhile
         await resp.write(b"data: [DONE]\n\n")
         return resp
