@@ -7,6 +7,7 @@ again with the token ids its client has (``continuation_tokens``, patch 0025), a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import psutil
 import pytest
 
 from testkit.llama import NO_BYTE_TOKENS, StreamResult, free_port, server_argv, sse_events, stream_completion
-from testkit.stack import start_stack
+from testkit.stack import stack_admin, start_stack
 
 pytestmark = pytest.mark.server
 
@@ -109,3 +110,121 @@ async def test_streams_of_every_protocol_survive_the_server_being_killed(
     assert kinds[-1] == "message_stop"
     (usage,) = [e["usage"] for e in anthropic if e["type"] == "message_delta"]
     assert usage["output_tokens"] == N
+
+
+def native(n: int, prompt: str = "Once upon a time") -> dict[str, Any]:
+    return {"prompt": prompt, "n_predict": n, "ignore_eos": True, "logit_bias": NO_BYTE_TOKENS}
+
+
+async def wait_generating(http: aiohttp.ClientSession, server: str, state: str = "generating") -> int:
+    """The id of the first slot in ``state`` (polls the server's /kv)."""
+    for _ in range(600):
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.get(server + "/kv") as resp:
+                if resp.status == 200:
+                    for slot in (await resp.json())["slots"]:
+                        if slot["state"] == state:
+                            return int(slot["id"])
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no slot {state}")
+
+
+async def wait_ready(http: aiohttp.ClientSession, admin: str) -> None:
+    for _ in range(300):
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.get(admin + "/readyz") as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise AssertionError("kvctl not ready")
+
+
+async def test_killed_twice_in_one_stream_and_while_it_is_parked(
+    llama_server_bin: Path, tiny_model: Path, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    sport = free_port()
+    argv = server_argv(llama_server_bin, tiny_model, sport, *SERVER)
+    with start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, log_path=tmp_path / "kvctl.log") as url:
+        admin = stack_admin(url)
+        kills: list[int] = []
+
+        async def kill_twice(res: StreamResult) -> None:
+            n = len(res.n_decoded)
+            if (n >= 100 and not kills) or (n >= 300 and len(kills) == 1):
+                kills.append(n)
+                kill_server(sport)
+
+        async def park_then_kill() -> None:
+            # the second stream is parked by hand, then the server dies under it
+            slot = await wait_generating(http, f"http://127.0.0.1:{sport}")
+            async with http.post(f"{admin}/slots/{slot}/park") as resp:
+                assert resp.status == 200, await resp.text()
+            await wait_generating(http, f"http://127.0.0.1:{sport}", "parked")
+
+        twice = stream_completion(http, url, native(N), on_chunk=kill_twice)
+        first = await asyncio.wait_for(twice, 120)
+        await wait_ready(http, admin)  # new requests get 503 until kvctl has seen the restarted server
+        parked = asyncio.ensure_future(stream_completion(http, url, native(N, "Parked")))
+        await asyncio.wait_for(park_then_kill(), 60)
+        kill_server(sport)
+        second = await asyncio.wait_for(parked, 120)
+        log = (tmp_path / "kvctl.log").read_text()
+
+    assert len(kills) == 2
+    for res in (first, second):
+        assert res.error is None, res.error
+        assert res.n_decoded == list(range(1, N + 1)), "a token lost or repeated across the crashes"
+    assert any(c.startswith("parked") for c in second.comments)
+    assert log.count("replay.sent") == 3, log[-3000:]
+
+
+async def test_killed_during_prefill_the_request_is_sent_again(
+    llama_server_bin: Path, tiny_model: Path, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    sport = free_port()
+    argv = server_argv(llama_server_bin, tiny_model, sport, *SERVER, "-b", "64", "-ub", "64")
+    with start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, log_path=tmp_path / "kvctl.log") as url:
+        long_prompt = "Once upon a time " * 700  # many 64-token batches: long enough to be caught in prefill
+        streaming = asyncio.ensure_future(stream_completion(http, url, native(50, long_prompt)))
+        await wait_generating(http, f"http://127.0.0.1:{sport}", "prompt")
+        kill_server(sport)
+        res = await asyncio.wait_for(streaming, 120)
+        log = (tmp_path / "kvctl.log").read_text()
+    assert res.error is None, res.error
+    assert res.n_decoded == list(range(1, 51))
+    assert "replay.resend" in log or "replay.sent" in log, log[-3000:]
+
+
+async def test_a_server_that_crashes_at_every_start_ends_the_stream_with_an_error_in_time(
+    llama_server_bin: Path, tiny_model: Path, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    sport = free_port()
+    started = tmp_path / "started"
+    # the first start runs the server; every later one crashes at once
+    wrapper = tmp_path / "server.sh"
+    argv = server_argv(llama_server_bin, tiny_model, sport, *SERVER)
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ -e "{started}" ]; then echo "crash at start" >&2; exit 134; fi\n'
+        f'touch "{started}"\nexec {" ".join(argv)}\n'
+    )
+    wrapper.chmod(0o755)
+    env = {"KVCTL_PROXY__REPLAY_TIMEOUT_S": "6"}
+    with start_stack(
+        f"http://127.0.0.1:{sport}", "--spawn", "--", str(wrapper), env=env, log_path=tmp_path / "kvctl.log"
+    ) as url:
+        killed = asyncio.Event()
+
+        async def kill_once(res: StreamResult) -> None:
+            if len(res.n_decoded) >= 50 and not killed.is_set():
+                killed.set()
+                kill_server(sport)
+
+        t0 = asyncio.get_running_loop().time()
+        res = await asyncio.wait_for(stream_completion(http, url, native(N), on_chunk=kill_once), 60)
+        waited = asyncio.get_running_loop().time() - t0
+        log = (tmp_path / "kvctl.log").read_text()
+    assert res.error is not None and res.error.get("kvctl_code") == "upstream_disconnected", res.error
+    assert waited < 6 + 10, "the stream ends once replay_timeout_s is past, not later"
+    assert "replay.gave_up" in log
+    assert any("server restarting" in c for c in res.comments), "heartbeats while waiting"
