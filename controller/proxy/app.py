@@ -49,7 +49,7 @@ from controller.proxy.priority import (
     priority_label,
     resolve_priority,
 )
-from controller.proxy.replay import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript, replayable_route
+from controller.proxy.replay import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
 from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 
@@ -774,14 +774,7 @@ class Proxy:
 
         transcript = None
         replay_on = self.config.replay_limit > 0 and request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
-        if (
-            replay_on
-            and stream
-            and not conversation
-            and not predict
-            and isinstance(payload, dict)
-            and replayable_route(route.path)
-        ):
+        if replay_on and stream and not conversation and not predict and isinstance(payload, dict):
             # the server follows each event with its tokens' ids: what a continuation starts from
             transcript = Transcript.start(route.path, payload, len(body), self.replay_memory, request_id)
             headers[ANNOUNCE_HEADER] = "1"

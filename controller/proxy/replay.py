@@ -8,19 +8,20 @@ strings, the chat parser's state) and streams only what follows, opening no mess
 What the proxy keeps of a streaming generation is a :class:`Transcript`: the request and the ids its client has
 received, within one memory budget for all of them (``proxy.replay_memory_mib``); a stream over the budget is not
 replayable. After a replay the continuation's events are spliced into the client's stream: an OpenAI stream keeps
-its first ``id`` and ``created``.
+its first ``id`` and ``created``, a Responses stream its response and item ids.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-__all__ = ["ANNOUNCE_HEADER", "OPT_OUT_HEADER", "ReplayMemory", "Transcript", "replayable_route"]
+__all__ = ["ANNOUNCE_HEADER", "OPT_OUT_HEADER", "ReplayMemory", "Transcript"]
 
 log = structlog.get_logger("kvctl.proxy")
 
@@ -28,12 +29,38 @@ ANNOUNCE_HEADER = "X-Token-Ids"  # "1": the server follows each event with the i
 OPT_OUT_HEADER = "X-Kvctl-Replay"  # "off": a client that prefers the error event to a continuation
 ID_BYTES = 4  # an id held in array('i')
 
-# the Responses API numbers its events and names its items: a continuation would need both renumbered (not yet)
-_NOT_REPLAYED = ("/v1/responses", "/responses")
+# the ids a Responses stream names its response and items by (resp_..., msg_..., rs_...): a continuation gets new
+# ones, which the splice maps back to the first stream's
+_RESPONSES_ID = re.compile(r"^(resp|msg|rs)_")
 
 
-def replayable_route(path: str) -> bool:
-    return path not in _NOT_REPLAYED
+_ID_KEYS = ("id", "item_id")  # where ids stand (never in generated text)
+
+
+def _ids(doc: Any, out: dict[str, str]) -> None:
+    """The first id of each Responses kind in ``doc`` (kept as found first)."""
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key in _ID_KEYS and isinstance(value, str) and (m := _RESPONSES_ID.match(value)):
+                out.setdefault(m.group(1), value)
+            else:
+                _ids(value, out)
+    elif isinstance(doc, list):
+        for value in doc:
+            _ids(value, out)
+
+
+def _renamed(doc: Any, names: dict[str, str]) -> Any:
+    """``doc`` with every Responses id replaced by the first stream's of its kind."""
+    if isinstance(doc, dict):
+        out = {}
+        for key, value in doc.items():
+            m = _RESPONSES_ID.match(value) if key in _ID_KEYS and isinstance(value, str) else None
+            out[key] = names.get(m.group(1), value) if m else _renamed(value, names)
+        return out
+    if isinstance(doc, list):
+        return [_renamed(v, names) for v in doc]
+    return doc
 
 
 class ReplayMemory:
@@ -69,14 +96,14 @@ def _data_json(event: bytes) -> Any:
 
 def _is_final(event: bytes) -> bool:
     """The event that ends a stream in its protocol: OpenAI's [DONE], the native final chunk ("stop": true),
-    Anthropic's message_stop."""
+    Anthropic's message_stop, Responses' response.completed."""
     for line in event.split(b"\n"):
         if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
             return True
     doc = _data_json(event)
     if not isinstance(doc, dict):
         return False
-    return doc.get("stop") is True or doc.get("type") == "message_stop"
+    return doc.get("stop") is True or doc.get("type") in ("message_stop", "response.completed")
 
 
 @dataclass(eq=False)
@@ -94,6 +121,7 @@ class Transcript:
     replays: int = 0
     first_id: str | None = None
     created: int | None = None
+    names: dict[str, str] = field(default_factory=dict)  # Responses: the first stream's id of each kind
 
     @classmethod
     def start(
@@ -129,12 +157,14 @@ class Transcript:
         if _is_final(event):
             self.done = True
             return
-        if self.first_id is None:
-            doc = _data_json(event)
-            if isinstance(doc, dict) and isinstance(doc.get("id"), str):
-                self.first_id = doc["id"]
-                created = doc.get("created")
-                self.created = created if isinstance(created, int) else None
+        if self.replays:
+            return  # the identity is the first stream's
+        doc = _data_json(event)
+        if self.first_id is None and isinstance(doc, dict) and isinstance(doc.get("id"), str):
+            self.first_id = doc["id"]
+            created = doc.get("created")
+            self.created = created if isinstance(created, int) else None
+        _ids(doc, self.names)
 
     def continuation(self) -> bytes:
         """The request again, continued from the ids the client has."""
@@ -142,16 +172,25 @@ class Transcript:
 
     def splice(self, event: bytes) -> bytes:
         """An event of a continuation as the client's stream carries it: OpenAI chunks keep the first id and
-        created (each request gets a new id); everything else is as the server sent it."""
-        if self.first_id is None or not event.startswith(b"data:"):
+        created, Responses events the first response and item ids (each request gets new ones); everything else
+        is as the server sent it."""
+        lines = event.split(b"\n")
+        at = next((i for i, ln in enumerate(lines) if ln.startswith(b"data:")), None)
+        if at is None:
             return event
         doc = _data_json(event)
-        if not isinstance(doc, dict) or "id" not in doc:
+        if not isinstance(doc, dict):
             return event
-        doc["id"] = self.first_id
-        if self.created is not None and "created" in doc:
-            doc["created"] = self.created
-        return b"data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        if self.names:
+            doc = _renamed(doc, self.names)
+        elif self.first_id is not None and "id" in doc:
+            doc["id"] = self.first_id
+            if self.created is not None and "created" in doc:
+                doc["created"] = self.created
+        else:
+            return event
+        lines[at] = b"data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+        return b"\n".join(lines)
 
     def release(self) -> None:
         self.memory.give(self.held)

@@ -1,4 +1,5 @@
-"""A server crash loses no chat: `kvctl run --spawn`, the server SIGKILLed mid-generation, every stream goes on.
+"""A server crash loses no chat: `kvctl run --spawn`, the server SIGKILLed mid-generation, every stream goes on
+(native, OpenAI chat, Anthropic Messages, OpenAI Responses).
 
 The supervisor restarts the server; the proxy waits for it (heartbeats meanwhile), sends each interrupted stream
 again with the token ids its client has (``continuation_tokens``, patch 0025), and splices the new stream in.
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.server
 
 N = 600  # tokens each stream generates
 KILL_AT = 150  # the native stream's tokens when the server is killed
-SERVER = ("-c", "8192", "-np", "3", "-kvu", "--slots", "--metrics")
+SERVER = ("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics")
 
 
 def kill_server(port: int) -> None:
@@ -90,11 +91,16 @@ async def test_streams_of_every_protocol_survive_the_server_being_killed(
                 "messages": [{"role": "user", "content": "Tell me another"}],
             },
         )
-        res, oai, anthropic = await asyncio.wait_for(asyncio.gather(native, chat, messages), 180)
+        responses = events(
+            http,
+            url + "/v1/responses",
+            {"model": "tiny", "input": "And one more", "max_output_tokens": N, "ignore_eos": True, "stream": True},
+        )
+        res, oai, anthropic, resp = await asyncio.wait_for(asyncio.gather(native, chat, messages, responses), 180)
         log = (tmp_path / "kvctl.log").read_text()
 
     assert killed.is_set()
-    assert "replay.sent" in log, log[-3000:]
+    assert log.count("replay.sent") == 4, log[-3000:]  # all four were generating when the server died
     # native: every token exactly once, counted as the uninterrupted request
     assert res.error is None, res.error
     assert res.n_decoded == list(range(1, N + 1)), "a token lost or repeated across the crash"
@@ -110,6 +116,17 @@ async def test_streams_of_every_protocol_survive_the_server_being_killed(
     assert kinds[-1] == "message_stop"
     (usage,) = [e["usage"] for e in anthropic if e["type"] == "message_delta"]
     assert usage["output_tokens"] == N
+    # Responses: one response, one item, its ids throughout, the whole text at the end
+    kinds = [e["type"] for e in resp]
+    assert "error" not in kinds, resp[-1]
+    for once in ("response.created", "response.output_item.added", "response.content_part.added"):
+        assert kinds.count(once) == 1, (once, kinds[:5])
+    assert len({e["item_id"] for e in resp if "item_id" in e}) == 1
+    (done,) = [e["response"] for e in resp if e["type"] == "response.completed"]
+    assert done["id"] == resp[0]["response"]["id"]
+    text = "".join(e["delta"] for e in resp if e["type"] == "response.output_text.delta")
+    assert [c["text"] for item in done["output"] for c in item.get("content", [])] == [text]
+    assert done["usage"]["output_tokens"] == N
 
 
 def native(n: int, prompt: str = "Once upon a time") -> dict[str, Any]:
