@@ -335,7 +335,8 @@ class AdmissionRefused(Exception):
 
 
 class Owners:
-    """Which key started a conversation stream or a completion (bounded: the oldest are forgotten first)."""
+    """Ids to names, bounded (the oldest are forgotten first): which key started a conversation stream or a
+    completion; the id a replayed completion has on the server."""
 
     def __init__(self, limit: int = 65536) -> None:
         self._owner: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -382,6 +383,7 @@ class Proxy:
         )
         self.owners = Owners()  # conversation ids and completion ids, by key name (several keys only)
         self.replay_memory = ReplayMemory(config.replay_memory_bytes)
+        self.completion_ids = Owners()  # a replayed stream's id, as its client knows it -> the continuation's
         self.draining = False
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._orphans: set[asyncio.Future[None]] = set()  # conversation requests whose client left while queued
@@ -655,13 +657,15 @@ class Proxy:
             ), ident
         if route is not None and route.kind is Kind.GENERATION:
             return await self.generation(request, route, ident), ident
-        if route is not None and route.kind in (Kind.CONVERSATION, Kind.CONTROL) and len(self.keys) > 1:
+        if route is not None and route.kind is Kind.CONTROL:
+            return await self.control(request, route, ident), ident
+        if route is not None and route.kind is Kind.CONVERSATION and len(self.keys) > 1:
             return await self.scoped(request, route, ident), ident
         return await self.relay(request, route, ident), ident
 
     async def scoped(self, request: web.Request, route: Route, ident: Identity | None) -> web.StreamResponse:
-        """Conversation streams and completion controls act only on what the same key started: an id another key
-        started is replaced by one nobody has, so the server answers as for an unknown id."""
+        """Conversation streams act only on what the same key started: an id another key started is replaced by
+        one nobody has, so the server answers as for an unknown id."""
         owner = ident.name if ident is not None else None
         if route.path == "/v1/streams/lookup":
             return await self.relay(request, route, ident, filter_owner=owner)
@@ -672,16 +676,27 @@ class Proxy:
             ]
             # no body: cpp-httplib would read a form body's conv_id into the same parameters, past the check above
             return await self.relay(request, route, ident, body=b"", query=urlencode(fixed))
-        body = await request.read()  # /v1/chat/completions/control
+        return await self.relay(request, route, ident)
+
+    async def control(self, request: web.Request, route: Route, ident: Identity | None) -> web.StreamResponse:
+        """``/v1/chat/completions/control`` acts on a running completion by the id its client knows: the id of a
+        stream that was replayed is the continuation's on the server; with several keys, an id another key started
+        is replaced by one nobody has, so the server answers as for an unknown id."""
+        owner = ident.name if ident is not None else None
+        body = await request.read()
         with contextlib.suppress(ValueError):
             try:
                 payload = json.loads(body)
             except RecursionError:
                 return await self.kvctl_error(request, 400, "request body nested too deeply", Code.BODY_TOO_DEEP)
             cid = payload.get("id") if isinstance(payload, dict) else None
-            if isinstance(cid, str) and cid and not self.owners.owns("cmpl:" + cid, owner):
-                payload["id"] = unowned_id()
-                body = json.dumps(payload).encode()
+            if isinstance(cid, str) and cid:
+                if len(self.keys) > 1 and not self.owners.owns("cmpl:" + cid, owner):
+                    payload["id"] = unowned_id()
+                else:
+                    payload["id"] = self.completion_ids.get(cid) or cid
+                if payload["id"] != cid:
+                    body = json.dumps(payload).encode()
         return await self.relay(request, route, ident, body=body)
 
     async def relay(
@@ -1290,6 +1305,8 @@ class Proxy:
                     transcript.observe(event)
                     if transcript.replays:
                         event = transcript.splice(event)
+                        if transcript.upstream_id is not None and transcript.first_id is not None:
+                            self.completion_ids.set(transcript.first_id, transcript.upstream_id)
                     if held is not None:
                         out.append(held)
                         held = None

@@ -122,6 +122,7 @@ class Transcript:
     first_id: str | None = None
     created: int | None = None
     names: dict[str, str] = field(default_factory=dict)  # Responses: the first stream's id of each kind
+    upstream_id: str | None = None  # OpenAI: the id the server gave the latest continuation
 
     @classmethod
     def start(
@@ -184,6 +185,8 @@ class Transcript:
         if self.names:
             doc = _renamed(doc, self.names)
         elif self.first_id is not None and "id" in doc:
+            if isinstance(doc["id"], str):
+                self.upstream_id = doc["id"]
             doc["id"] = self.first_id
             if self.created is not None and "created" in doc:
                 doc["created"] = self.created

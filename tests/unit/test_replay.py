@@ -32,6 +32,7 @@ class Upstream:
         self.per_event = per_event
         self.hold_until = hold_until  # a stream's last event waits until this many requests have come
         self.all_came = asyncio.Event()
+        self.controls: list[dict[str, Any]] = []
         self.die: list[int | None] = []
         self.bodies: list[dict[str, Any]] = []
         self.announced: list[bool] = []
@@ -39,8 +40,13 @@ class Upstream:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/chat/completions/control", self.control)
         app.router.add_get("/health", self.health)
         return app
+
+    async def control(self, request: web.Request) -> web.Response:
+        self.controls.append(await request.json())
+        return web.json_response({"ok": True})
 
     async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -117,8 +123,14 @@ async def test_a_stream_whose_server_dies_goes_on_from_the_tokens_its_client_has
     proxy = await start_proxy(url)
     try:
         events = await chat(proxy)
+        # a control of the completion by the id its client knows reaches the continuation on the server
+        async with aiohttp.ClientSession() as s:
+            for cid in ("chatcmpl-1", "chatcmpl-other"):
+                async with s.post(proxy.make_url("/v1/chat/completions/control"), json={"id": cid}) as r:
+                    assert r.status == 200
     finally:
         await proxy.close()
+    assert [c["id"] for c in up.controls] == ["chatcmpl-3", "chatcmpl-other"]
     assert content(events) == "".join(f"<{i}>" for i in range(20)), "a token lost or repeated"
     assert {e["id"] for e in events} == {"chatcmpl-1"} and {e["created"] for e in events} == {1001}
     assert [b.get("continuation_tokens") for b in up.bodies] == [None, list(range(7)), list(range(12))]
