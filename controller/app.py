@@ -239,6 +239,9 @@ class App:
         host, port = split_host_port(p.listen)
         app = make_proxy_app(config, self.gate, self.metrics.registry)
         self.proxy = app[PROXY_KEY]
+        if self.supervisor is not None:
+            supervisor = self.supervisor
+            self.proxy.restarts = lambda: supervisor.status.restarts
         self.proxy.endpoint = EndpointMetrics(
             self.endpoint_sample,
             vllm_names=p.metrics_compat is MetricsCompat.VLLM,

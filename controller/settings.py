@@ -252,8 +252,8 @@ class ProxySettings(_Group):
     replay_limit: int = Field(default=3, ge=0)
     """When the server dies mid-stream (a crash, an OOM kill), how many times a streaming generation is continued
     in the restarted server from the tokens its client has (the server's `continuation_tokens`); 0 turns replay
-    off. A client can opt out with `X-Kvctl-Replay: off`. Not replayed: Responses streams and conversation streams
-    (the WebUI's), which end with the error event as before."""
+    off. A client can opt out with `X-Kvctl-Replay: off`. Not replayed: conversation streams (the WebUI's), which
+    end with the error event as before. Requests the server had not answered are sent again from the start."""
 
     replay_timeout_s: float = Field(default=120.0, gt=0)
     """How long an interrupted stream waits (with heartbeats) for the server to answer `/health` again before its

@@ -384,6 +384,8 @@ class Proxy:
         self.owners = Owners()  # conversation ids and completion ids, by key name (several keys only)
         self.replay_memory = ReplayMemory(config.replay_memory_bytes)
         self.completion_ids = Owners()  # a replayed stream's id, as its client knows it -> the continuation's
+        # the supervisor's restart count when kvctl spawned the server: a hung server's streams wait for its restart
+        self.restarts: Callable[[], int] | None = None
         self.draining = False
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._orphans: set[asyncio.Future[None]] = set()  # conversation requests whose client left while queued
@@ -1270,6 +1272,20 @@ class Proxy:
                     return
                 if chunk is None:
                     if time.monotonic() - last >= self.config.upstream_read_timeout_s:
+                        if transcript is not None and not transcript.done and reopen and self.restarts is not None:
+                            # hung: kvctl kills and restarts the server it spawned; the stream goes on after that
+                            held, framer = None, SSEFramer()
+                            again = await self._replay(
+                                request, resp, transcript, entry, reopen, "timeout", after_restart=self.restarts()
+                            )
+                            if again is not None:
+                                if replaced is not None:
+                                    await replaced.__aexit__(None, None, None)
+                                replaced, upstream = again
+                                if entry is not None:
+                                    entry.upstream = upstream
+                                last = time.monotonic()
+                                continue
                         message, code = self.end_message("timeout")
                         self.metrics.stream_errors.labels(stage=code).inc()
                         log.warning("stream.ended", request_id=request_id, reason=code)
@@ -1328,6 +1344,7 @@ class Proxy:
         entry: Inflight | None,
         reopen: Reopen,
         why: str,
+        after_restart: int | None = None,
     ) -> tuple[Any, aiohttp.ClientResponse] | None:
         """The server died under this stream: wait (heartbeating the client) for it to answer ``/health`` again, then
         send the request continued from the ids the client has. The continuation's response (its context and the
@@ -1345,8 +1362,9 @@ class Proxy:
                 tokens=len(transcript.ids),
                 reason=why,
             )
-            if not await self._wait_ready(request, resp, entry, deadline):
+            if not await self._wait_ready(request, resp, entry, deadline, after_restart):
                 break
+            after_restart = None  # restarted once: a later death is an ordinary one
             try:
                 cm, upstream = await reopen(transcript.continuation())
             except UpstreamEnded:
@@ -1370,19 +1388,28 @@ class Proxy:
         return None
 
     async def _wait_ready(
-        self, request: web.Request, resp: web.StreamResponse | None, entry: Inflight | None, deadline: float
+        self,
+        request: web.Request,
+        resp: web.StreamResponse | None,
+        entry: Inflight | None,
+        deadline: float,
+        after_restart: int | None = None,
     ) -> bool:
-        """Until the server answers ``/health`` with 200 (restarted and loaded), a heartbeat to a stream's client
-        every ``heartbeat_s``; False past the deadline or when kvctl ends the request."""
+        """Until the server answers ``/health`` with 200 (restarted and loaded) and, with ``after_restart``, the
+        supervisor has restarted it since; a heartbeat to a stream's client every ``heartbeat_s``; False past the
+        deadline or when kvctl ends the request."""
         assert self.session is not None
         if entry is None:
             return False
         next_beat = time.monotonic() + self.config.heartbeat_s
         while time.monotonic() < deadline and not entry.ended.done():
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                async with asyncio.timeout(2.0), self.session.get(URL(self.origin + "/health", encoded=True)) as r:
-                    if r.status == 200:
-                        return True
+            restarted = after_restart is None or self.restarts is None or self.restarts() > after_restart
+            if restarted:  # a hung server still answers /health from its HTTP thread: wait for the new one
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    health = URL(self.origin + "/health", encoded=True)
+                    async with asyncio.timeout(2.0), self.session.get(health) as r:
+                        if r.status == 200:
+                            return True
             if resp is not None and time.monotonic() >= next_beat:
                 await self.heartbeat(request, resp, "server restarting")
                 next_beat = time.monotonic() + self.config.heartbeat_s

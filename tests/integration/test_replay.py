@@ -29,13 +29,13 @@ KILL_AT = 150  # the native stream's tokens when the server is killed
 SERVER = ("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics")
 
 
-def kill_server(port: int) -> None:
-    """SIGKILL the llama-server listening on ``port`` (the one kvctl spawned)."""
+def kill_server(port: int, sig: int = signal.SIGKILL) -> int:
+    """Signal the llama-server listening on ``port`` (the one kvctl spawned); its pid."""
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
         if "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port) and "llama-server" in cmd[0]:
-            os.kill(proc.pid, signal.SIGKILL)
-            return
+            os.kill(proc.pid, sig)
+            return int(proc.pid)
     raise AssertionError(f"no llama-server on port {port}")
 
 
@@ -245,3 +245,26 @@ async def test_a_server_that_crashes_at_every_start_ends_the_stream_with_an_erro
     assert waited < 6 + 10, "the stream ends once replay_timeout_s is past, not later"
     assert "replay.gave_up" in log
     assert any("server restarting" in c for c in res.comments), "heartbeats while waiting"
+
+
+async def test_a_hung_server_is_restarted_and_its_streams_go_on(
+    llama_server_bin: Path, tiny_model: Path, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    sport = free_port()
+    argv = server_argv(llama_server_bin, tiny_model, sport, *SERVER)
+    env = {"KVCTL_PROXY__UPSTREAM_READ_TIMEOUT_S": "3"}
+    stopped: list[int] = []
+    with start_stack(
+        f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, env=env, log_path=tmp_path / "kvctl.log"
+    ) as url:
+
+        async def hang_once(res: StreamResult) -> None:
+            if len(res.n_decoded) >= KILL_AT and not stopped:
+                stopped.append(kill_server(sport, signal.SIGSTOP))  # hung: it neither answers nor dies
+
+        res = await asyncio.wait_for(stream_completion(http, url, native(N), on_chunk=hang_once), 90)
+        log = (tmp_path / "kvctl.log").read_text()
+    assert stopped
+    assert res.error is None, res.error
+    assert res.n_decoded == list(range(1, N + 1))
+    assert "supervisor.kill" in log and "replay.sent" in log, log[-3000:]
