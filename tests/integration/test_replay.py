@@ -26,7 +26,7 @@ pytestmark = pytest.mark.server
 
 N = 600  # tokens each stream generates
 KILL_AT = 150  # the native stream's tokens when the server is killed
-SERVER = ("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics")
+SERVER = ("-c", "8192", "-np", "5", "-kvu", "--slots", "--metrics")
 
 
 def kill_server(port: int, sig: int = signal.SIGKILL) -> int:
@@ -48,6 +48,12 @@ async def events(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
             if ev.data is not None and ev.data != "[DONE]":
                 out.append(json.loads(ev.data))
     return out
+
+
+async def answer(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
 
 
 async def test_streams_of_every_protocol_survive_the_server_being_killed(
@@ -96,11 +102,21 @@ async def test_streams_of_every_protocol_survive_the_server_being_killed(
             url + "/v1/responses",
             {"model": "tiny", "input": "And one more", "max_output_tokens": N, "ignore_eos": True, "stream": True},
         )
-        res, oai, anthropic, resp = await asyncio.wait_for(asyncio.gather(native, chat, messages, responses), 180)
+        plain = answer(
+            http,
+            url + "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "No stream"}], "max_tokens": N, "ignore_eos": True},
+        )
+        res, oai, anthropic, resp, whole = await asyncio.wait_for(
+            asyncio.gather(native, chat, messages, responses, plain), 180
+        )
         log = (tmp_path / "kvctl.log").read_text()
 
     assert killed.is_set()
-    assert log.count("replay.sent") == 4, log[-3000:]  # all four were generating when the server died
+    assert log.count("replay.sent") == 4, log[-3000:]  # all four streams were generating when the server died
+    # not streaming: sent again from the start, its client none the wiser
+    assert "replay.resend" in log
+    assert whole["usage"]["completion_tokens"] == N
     # native: every token exactly once, counted as the uninterrupted request
     assert res.error is None, res.error
     assert res.n_decoded == list(range(1, N + 1)), "a token lost or repeated across the crash"
