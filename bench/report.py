@@ -132,6 +132,16 @@ SECTIONS = [
         "which parks; the gauges spread them.",
     ),
     (
+        "replay.md",
+        "Crash replay: how exact a continuation is",
+        "python -m bench.replay",
+        "Greedy runs of the tiny model continued from 25, 50 and 75 % of their tokens (`continuation_tokens`, what "
+        "kvctl sends after a server crash), alone and beside three other streams, against the uninterrupted run. "
+        "The continued tokens are evaluated as prompt batches, not one by one as they were generated: where the "
+        "floating-point sums differ enough to change an argmax, the run diverges from there on, as after a park by "
+        "recompute.",
+    ),
+    (
         "proxy_auth.md",
         "What the proxy's authentication costs",
         "python -m bench.proxy_auth",
