@@ -117,7 +117,7 @@ class Inflight:
     client_request_id: str | None
     route: str
     t_start: float
-    state: str = "queued"  # queued | upstream | streaming
+    state: str = "queued"  # queued | upstream | streaming | replaying (waiting for a restarted server)
     ended: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Set (to the reason) when kvctl ends the request itself: a hung server, a shutdown."""
     upstream: aiohttp.ClientResponse | None = None
@@ -311,6 +311,15 @@ def brackets_balanced(body: bytes) -> bool:
                 return False
             ended = not stack
     return ended
+
+
+def one_completion(payload: Any) -> bool:
+    """A request for one completion of one prompt: what a continuation (continuation_tokens) can continue."""
+    if not isinstance(payload, dict):
+        return False
+    prompt = payload.get("prompt")
+    many = isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+    return not many and all(payload.get(k) in (None, 1) for k in ("n_cmpl", "n"))
 
 
 def error_event(route: Route | None, status: int, message: str, code: str) -> bytes:
@@ -791,10 +800,11 @@ class Proxy:
 
         transcript = None
         replay_on = self.config.replay_limit > 0 and request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
-        if replay_on and stream and not conversation and not predict and isinstance(payload, dict):
-            # the server follows each event with its tokens' ids: what a continuation starts from
+        if replay_on and stream and not conversation and not predict and one_completion(payload):
+            # the server follows each result's events with its tokens' ids: what a continuation starts from
             transcript = Transcript.start(route.path, payload, len(body), self.replay_memory, request_id)
-            headers[ANNOUNCE_HEADER] = "1"
+            if transcript.replayable:
+                headers[ANNOUNCE_HEADER] = "1"
         entry = Inflight(request_id, client_request_id, route.path, time.monotonic())
         self.inflight[request_id] = entry
         self.metrics.inflight.inc()
@@ -1030,7 +1040,7 @@ class Proxy:
         path_qs = request.raw_path if query is None else raw_path + ("?" + query if query else "")
         url = self.origin + path_qs
         resends = 0
-        deadline = time.monotonic() + self.config.replay_timeout_s
+        deadline: float | None = None
         try:
             while True:
                 try:
@@ -1039,12 +1049,14 @@ class Proxy:
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                     # sent, and the server died before it answered (not: nothing listens, which is answered at once):
                     # the client has seen nothing of it, so it is sent again once the server is back
-                    if (
-                        not resend
-                        or isinstance(e, aiohttp.ClientConnectorError)
-                        or resends >= self.config.replay_limit
-                        or not await self._wait_ready(request, prepared, entry, deadline)
-                    ):
+                    if not resend or isinstance(e, aiohttp.ClientConnectorError) or resends >= self.config.replay_limit:
+                        raise
+                    if deadline is None:
+                        deadline = time.monotonic() + self.config.replay_timeout_s
+                    entry.state = "replaying"  # not "waiting for a response" while the server restarts (end_waiting)
+                    ready = await self._wait_ready(request, prepared, entry, deadline)
+                    entry.state = "upstream"
+                    if not ready:
                         raise
                     resends += 1
                     log.warning("replay.resend", request_id=request_id, attempt=resends, error=str(e))
@@ -1231,75 +1243,90 @@ class Proxy:
         replay: tuple[Transcript | None, Reopen] | None = None,
     ) -> None:
         """A generation's events to the client, with heartbeats over silences. With a transcript, a stream whose
-        server died goes on in the restarted server (``_replay``): an event is written once its tokens' ids have
-        arrived after it, so that the client never holds a token the continuation would send again."""
+        server died (or, spawned, hung) goes on in the restarted server (``_replay``): a result's events are written
+        once the ids of its tokens have come after them (``: tokens``, which ends each result), so that the client
+        never holds a token the continuation would send again."""
         transcript, reopen = replay if replay is not None else (None, None)
+        if transcript is not None and upstream.headers.get(ANNOUNCE_HEADER) != "1":
+            transcript.drop("the server does not announce token ids (patch 0025)")
         framer = SSEFramer()
         t0 = entry.t_start if entry is not None else time.monotonic()
         first = True
         last = time.monotonic()
-        held: bytes | None = None  # a data event whose ids may still be on the way
+        held: list[bytes] = []  # a result's events whose ids are still on the way
         replaced: Any = None  # the context of a continuation's response: ours to close
         try:
             while True:
-                gave_up = False
                 try:
                     chunk = await self._read(upstream)
                     ended = None if chunk is None or chunk else _EOF
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                     chunk, ended = b"", str(e)
-                if ended is not None and transcript is not None and not transcript.done and reopen is not None:
-                    held = None  # its ids never came: the continuation sends its tokens again
-                    framer = SSEFramer()  # an event the server left half-written is dropped with it
-                    again = await self._replay(request, resp, transcript, entry, reopen, ended)
+                hung = (
+                    chunk is None
+                    and time.monotonic() - last >= self.config.upstream_read_timeout_s
+                    and self.restarts is not None
+                )
+                can_replay = transcript is not None and transcript.replayable and not transcript.done and reopen
+                if can_replay and (ended is not None or hung):
+                    assert transcript is not None and reopen is not None
+                    # hung: kvctl kills the server it spawned and restarts it; the stream goes on after that
+                    why = ended or "timeout"
+                    restarted = self.restarts() if hung and self.restarts is not None else None
+                    again = await self._replay(request, resp, transcript, entry, reopen, why, restarted)
                     if again is not None:
-                        if replaced is not None:
-                            await replaced.__aexit__(None, None, None)
-                        replaced, upstream = again
+                        held, framer = [], SSEFramer()  # their ids never came: the continuation sends them again
+                        old, (replaced, upstream) = replaced, again
                         if entry is not None:
-                            entry.upstream = upstream
+                            entry.upstream = upstream  # from here kvctl's end() closes the continuation
+                        if old is not None:
+                            await old.__aexit__(None, None, None)
                         last = time.monotonic()
                         continue
-                    gave_up = True
-                if ended is not None and (ended != _EOF or gave_up):
-                    if entry is not None and entry.ended.done():
+                    if ended is None:
+                        ended = "timeout"
+                    if held:
+                        await self.write(request, resp, b"".join(held))  # complete events: the client gets them
+                        held = []
+                    if transcript is not None and transcript.refused is not None:
+                        await self.write(request, resp, transcript.refused)
+                        return
+                    if ended == _EOF:
+                        ended = "the server's response ended before its final event"
+                if ended is not None and ended != _EOF:
+                    if ended == "timeout":
+                        message, code = self.end_message("timeout")
+                        status = 504
+                    elif entry is not None and entry.ended.done():
                         message, code = self.end_message(entry.ended.result())
+                        status = 502
                     else:
                         message, code = f"llama-server went away mid-stream: {ended}", Code.UPSTREAM_DISCONNECTED
+                        status = 502
                     self.metrics.stream_errors.labels(stage=code).inc()
                     log.warning("stream.ended", request_id=request_id, reason=code, error=ended)
-                    await self.write(request, resp, error_event(route, 502, message, code))
+                    if held:
+                        await self.write(request, resp, b"".join(held))
+                    if framer.pending:
+                        await self.write(request, resp, b"\n\n")  # close the event the server left open
+                    await self.write(request, resp, error_event(route, status, message, code))
                     return
                 if chunk is None:
                     if time.monotonic() - last >= self.config.upstream_read_timeout_s:
-                        if transcript is not None and not transcript.done and reopen and self.restarts is not None:
-                            # hung: kvctl kills and restarts the server it spawned; the stream goes on after that
-                            held, framer = None, SSEFramer()
-                            again = await self._replay(
-                                request, resp, transcript, entry, reopen, "timeout", after_restart=self.restarts()
-                            )
-                            if again is not None:
-                                if replaced is not None:
-                                    await replaced.__aexit__(None, None, None)
-                                replaced, upstream = again
-                                if entry is not None:
-                                    entry.upstream = upstream
-                                last = time.monotonic()
-                                continue
                         message, code = self.end_message("timeout")
                         self.metrics.stream_errors.labels(stage=code).inc()
                         log.warning("stream.ended", request_id=request_id, reason=code)
-                        if held is not None:
-                            await self.write(request, resp, held)
+                        if held:
+                            await self.write(request, resp, b"".join(held))
                         if framer.pending:
                             await self.write(request, resp, b"\n\n")  # close the event the server left open
                         await self.write(request, resp, error_event(route, 504, message, code))
                         return
-                    if not framer.pending:
+                    if not framer.pending and not held:
                         await self.heartbeat(request, resp, "silence")
                     continue
                 if not chunk:
-                    rest = (held or b"") + framer.flush()
+                    rest = b"".join(held) + framer.flush()
                     if rest:
                         await self.write(request, resp, rest)
                     return
@@ -1315,21 +1342,22 @@ class Proxy:
                         text = comment_text(event)
                         if text in ("parked", "resumed"):
                             log.info(f"stream.{text}", request_id=request_id)
-                    if transcript is None:
+                    if transcript is None or not transcript.replayable:
                         out.append(event)
                         continue
-                    transcript.observe(event)
                     if transcript.replays:
                         event = transcript.splice(event)
                         if transcript.upstream_id is not None and transcript.first_id is not None:
                             self.completion_ids.set(transcript.first_id, transcript.upstream_id)
-                    if held is not None:
-                        out.append(held)
-                        held = None
-                    if has_data(event) and not transcript.done:
-                        held = event
-                    else:
+                    transcript.observe(event)
+                    if event.startswith(b": tokens") or transcript.done:
+                        out.extend(held)
+                        held = []
                         out.append(event)
+                    elif has_data(event):
+                        held.append(event)
+                    else:
+                        out.append(event)  # the server's comments (parked, resumed, keep-alive)
                 if out:
                     await self.write(request, resp, b"".join(out))
         finally:
@@ -1346,11 +1374,11 @@ class Proxy:
         why: str,
         after_restart: int | None = None,
     ) -> tuple[Any, aiohttp.ClientResponse] | None:
-        """The server died under this stream: wait (heartbeating the client) for it to answer ``/health`` again, then
-        send the request continued from the ids the client has. The continuation's response (its context and the
-        response), or None: not replayable, kvctl ended the request, or past ``replay_limit`` or
-        ``replay_timeout_s``."""
-        if not transcript.replayable or entry is None or entry.ended.done():
+        """The server died (or hung) under this stream: wait (heartbeating the client) for it to answer ``/health``
+        again, then send the request continued from the ids the client has. The continuation's response (its
+        context and the response), or None: kvctl ended the request, the server refused the continuation
+        (``transcript.refused``), or past ``replay_limit`` or ``replay_timeout_s``."""
+        if entry is None or entry.ended.done():
             return None
         deadline = time.monotonic() + self.config.replay_timeout_s
         while transcript.replays < self.config.replay_limit and time.monotonic() < deadline:
@@ -1366,26 +1394,51 @@ class Proxy:
                 break
             after_restart = None  # restarted once: a later death is an ordinary one
             try:
-                cm, upstream = await reopen(transcript.continuation())
+                cm, upstream = await self._beating(request, resp, reopen(transcript.continuation()))
             except UpstreamEnded:
                 return None
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 why = str(e)
                 continue
-            if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                self.metrics.replays.labels(outcome="sent").inc()
-                log.info("replay.sent", request_id=transcript.request_id, tokens=len(transcript.ids))
-                return cm, upstream
-            data = await self._read_all(upstream)
-            await cm.__aexit__(None, None, None)
-            self.metrics.replays.labels(outcome="refused").inc()
-            log.warning(
-                "replay.refused", request_id=transcript.request_id, status=upstream.status, body=(data or b"")[:300]
-            )
-            return None
+            try:
+                if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    self.metrics.replays.labels(outcome="sent").inc()
+                    log.info("replay.sent", request_id=transcript.request_id, tokens=len(transcript.ids))
+                    cm, sent = None, cm
+                    return sent, upstream
+                data = await self._read_all(upstream)
+                self.metrics.replays.labels(outcome="refused").inc()
+                log.warning(
+                    "replay.refused",
+                    request_id=transcript.request_id,
+                    status=upstream.status,
+                    body=(data or b"")[:300],
+                )
+                route = self.routes.lookup("POST", request.path)
+                transcript.refused = self.error_from_body(route, upstream.status, data or b"")
+                return None
+            finally:
+                if cm is not None:
+                    await cm.__aexit__(None, None, None)
         self.metrics.replays.labels(outcome="gave_up").inc()
         log.warning("replay.gave_up", request_id=transcript.request_id, attempts=transcript.replays)
         return None
+
+    async def _beating(
+        self, request: web.Request, resp: web.StreamResponse, sending: Awaitable[tuple[Any, aiohttp.ClientResponse]]
+    ) -> tuple[Any, aiohttp.ClientResponse]:
+        """Await ``sending`` (a continuation whose response has not started: it may wait in the server's queue
+        behind the others), heartbeating the client meanwhile. Cancelled, ``_send`` closes what it opened."""
+        task = asyncio.ensure_future(sending)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.heartbeat_s)
+                if done:
+                    return task.result()
+                await self.heartbeat(request, resp, "server restarting")
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _wait_ready(
         self,

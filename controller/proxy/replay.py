@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,37 +30,22 @@ ANNOUNCE_HEADER = "X-Token-Ids"  # "1": the server follows each event with the i
 OPT_OUT_HEADER = "X-Kvctl-Replay"  # "off": a client that prefers the error event to a continuation
 ID_BYTES = 4  # an id held in array('i')
 
-# the ids a Responses stream names its response and items by (resp_..., msg_..., rs_...): a continuation gets new
-# ones, which the splice maps back to the first stream's
-_RESPONSES_ID = re.compile(r"^(resp|msg|rs)_")
+# the ids a Responses stream names its response, items and calls by (resp_..., msg_..., rs_..., fc_..., call_...):
+# a continuation gets new ones, which the splice maps back to the first stream's, the n-th of a kind to the n-th
+_RESPONSES_ID = re.compile(r"^(resp|msg|rs|fc|call)_")
+_ID_KEYS = ("id", "item_id", "call_id")  # where ids stand (never in generated text)
 
 
-_ID_KEYS = ("id", "item_id")  # where ids stand (never in generated text)
-
-
-def _ids(doc: Any, out: dict[str, str]) -> None:
-    """The first id of each Responses kind in ``doc`` (kept as found first)."""
-    if isinstance(doc, dict):
-        for key, value in doc.items():
-            if key in _ID_KEYS and isinstance(value, str) and (m := _RESPONSES_ID.match(value)):
-                out.setdefault(m.group(1), value)
-            else:
-                _ids(value, out)
-    elif isinstance(doc, list):
-        for value in doc:
-            _ids(value, out)
-
-
-def _renamed(doc: Any, names: dict[str, str]) -> Any:
-    """``doc`` with every Responses id replaced by the first stream's of its kind."""
+def _walk_ids(doc: Any, seen: Callable[[str, str], str]) -> Any:
+    """``doc`` with each id (a Responses kind, under an id key) replaced by ``seen(kind, id)``."""
     if isinstance(doc, dict):
         out = {}
         for key, value in doc.items():
             m = _RESPONSES_ID.match(value) if key in _ID_KEYS and isinstance(value, str) else None
-            out[key] = names.get(m.group(1), value) if m else _renamed(value, names)
+            out[key] = seen(m.group(1), value) if m else _walk_ids(value, seen)
         return out
     if isinstance(doc, list):
-        return [_renamed(v, names) for v in doc]
+        return [_walk_ids(v, seen) for v in doc]
     return doc
 
 
@@ -96,14 +82,19 @@ def _data_json(event: bytes) -> Any:
 
 def _is_final(event: bytes) -> bool:
     """The event that ends a stream in its protocol: OpenAI's [DONE], the native final chunk ("stop": true),
-    Anthropic's message_stop, Responses' response.completed."""
+    Anthropic's message_stop, Responses' response.completed; or the server's error event, which ends it too (a
+    continuation would meet the same error)."""
     for line in event.split(b"\n"):
         if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
+            return True
+        if line.startswith(b"event:") and line[6:].strip() == b"error":
             return True
     doc = _data_json(event)
     if not isinstance(doc, dict):
         return False
-    return doc.get("stop") is True or doc.get("type") in ("message_stop", "response.completed")
+    return (
+        doc.get("stop") is True or doc.get("type") in ("message_stop", "response.completed", "error") or "error" in doc
+    )
 
 
 @dataclass(eq=False)
@@ -121,8 +112,11 @@ class Transcript:
     replays: int = 0
     first_id: str | None = None
     created: int | None = None
-    names: dict[str, str] = field(default_factory=dict)  # Responses: the first stream's id of each kind
     upstream_id: str | None = None  # OpenAI: the id the server gave the latest continuation
+    names: dict[str, list[str]] = field(default_factory=dict)  # Responses: each kind's ids the client knows
+    _renames: dict[str, str] = field(default_factory=dict)  # the latest continuation's ids -> the client's
+    _met: dict[str, int] = field(default_factory=dict)  # how many of each kind the latest continuation named
+    refused: bytes | None = None  # the server's answer to a continuation it refused, for the client
 
     @classmethod
     def start(
@@ -145,10 +139,11 @@ class Transcript:
         self.held = 0
 
     def observe(self, event: bytes) -> None:
-        """Every event relayed to the client, in order: announced ids, the end, an OpenAI stream's identity."""
-        if event.startswith(b": tokens "):
+        """Every event relayed to the client, in order (a continuation's after ``splice``): announced ids, the
+        end, the identity the client knows."""
+        if event.startswith(b": tokens"):
             if self.replayable:
-                fresh = [int(t) for t in event[len(b": tokens ") :].split()]
+                fresh = [int(t) for t in event[len(b": tokens") :].split()]
                 if self.memory.take(ID_BYTES * len(fresh)):
                     self.held += ID_BYTES * len(fresh)
                     self.ids.extend(fresh)
@@ -158,41 +153,54 @@ class Transcript:
         if _is_final(event):
             self.done = True
             return
-        if self.replays:
-            return  # the identity is the first stream's
         doc = _data_json(event)
         if self.first_id is None and isinstance(doc, dict) and isinstance(doc.get("id"), str):
             self.first_id = doc["id"]
             created = doc.get("created")
             self.created = created if isinstance(created, int) else None
-        _ids(doc, self.names)
+        _walk_ids(doc, self._know)
+
+    def _know(self, kind: str, ident: str) -> str:
+        known = self.names.setdefault(kind, [])
+        if ident not in known:
+            known.append(ident)
+        return ident
 
     def continuation(self) -> bytes:
-        """The request again, continued from the ids the client has."""
-        return json.dumps({**self.payload, "continuation_tokens": self.ids.tolist()}).encode()
+        """The request again, continued from the ids the client has (after any it sent itself)."""
+        own = self.payload.get("continuation_tokens")
+        before = own if isinstance(own, list) else []
+        self._renames, self._met = {}, {}
+        return json.dumps({**self.payload, "continuation_tokens": [*before, *self.ids.tolist()]}).encode()
+
+    def _rename(self, kind: str, ident: str) -> str:
+        """A continuation's id: the client's id of the same kind at the same position (its n-th response, item or
+        call), or, past those the client knows, the continuation's own."""
+        if ident not in self._renames:
+            n = self._met.get(kind, 0)
+            self._met[kind] = n + 1
+            known = self.names.get(kind, [])
+            self._renames[ident] = known[n] if n < len(known) else ident
+        return self._renames[ident]
 
     def splice(self, event: bytes) -> bytes:
         """An event of a continuation as the client's stream carries it: OpenAI chunks keep the first id and
-        created, Responses events the first response and item ids (each request gets new ones); everything else
-        is as the server sent it."""
+        created, Responses events the client's response, item and call ids (each request gets new ones);
+        everything else is as the server sent it."""
         lines = event.split(b"\n")
         at = next((i for i, ln in enumerate(lines) if ln.startswith(b"data:")), None)
-        if at is None:
+        doc = _data_json(event) if at is not None else None
+        if at is None or not isinstance(doc, dict):
             return event
-        doc = _data_json(event)
-        if not isinstance(doc, dict):
+        renamed = _walk_ids(doc, self._rename)
+        if self.first_id is not None and isinstance(renamed.get("id"), str) and not _RESPONSES_ID.match(doc["id"]):
+            self.upstream_id = doc["id"]
+            renamed["id"] = self.first_id
+            if self.created is not None and "created" in renamed:
+                renamed["created"] = self.created
+        if renamed == doc:
             return event
-        if self.names:
-            doc = _renamed(doc, self.names)
-        elif self.first_id is not None and "id" in doc:
-            if isinstance(doc["id"], str):
-                self.upstream_id = doc["id"]
-            doc["id"] = self.first_id
-            if self.created is not None and "created" in doc:
-                doc["created"] = self.created
-        else:
-            return event
-        lines[at] = b"data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+        lines[at] = b"data: " + json.dumps(renamed, ensure_ascii=False, separators=(",", ":")).encode()
         return b"\n".join(lines)
 
     def release(self) -> None:

@@ -33,6 +33,9 @@ class Upstream:
         self.hold_until = hold_until  # a stream's last event waits until this many requests have come
         self.all_came = asyncio.Event()
         self.controls: list[dict[str, Any]] = []
+        self.honours = True  # announces ids when asked (an older server does not)
+        self.refuse = False  # answers a continuation with a 400
+        self.error_after: int | None = None  # events before a server error event
         self.die: list[int | None] = []
         self.bodies: list[dict[str, Any]] = []
         self.announced: list[bool] = []
@@ -59,7 +62,14 @@ class Upstream:
         self.announced.append(request.headers.get("X-Token-Ids") == "1")
         n = len(self.bodies)
         die = self.die.pop(0) if self.die else None
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if self.refuse and body.get("continuation_tokens"):
+            return web.json_response(
+                {"error": {"code": 400, "message": "no", "type": "invalid_request_error"}}, status=400
+            )
+        headers = {"Content-Type": "text/event-stream"}
+        if self.announced[-1] and self.honours:
+            headers["X-Token-Ids"] = "1"  # this server announces the ids (patch 0025)
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         start = len(body.get("continuation_tokens", []))
         for k, i in enumerate(range(start, self.total, self.per_event)):
@@ -73,9 +83,12 @@ class Upstream:
             ids = list(range(i, min(i + self.per_event, self.total)))
             chunk = {"id": f"chatcmpl-{n}", "created": 1000 + n, "choices": [{"delta": {"content": f"<{i}>"}}]}
             out = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-            if self.announced[-1]:
+            if self.announced[-1] and self.honours:
                 out += (": tokens " + " ".join(map(str, ids)) + "\n\n").encode()
             await resp.write(out)
+            if self.error_after is not None and k + 1 >= self.error_after:
+                await resp.write(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n')
+                return resp  # a server error ends the response, without [DONE]
         if self.hold_until:
             await self.all_came.wait()
             await asyncio.sleep(0.5)  # the proxy reads every stream's ids meanwhile
@@ -208,3 +221,72 @@ def test_a_transcript_over_the_bound_drops_its_ids_and_says_so() -> None:
     assert [e["event"] for e in logs] == ["replay.not_replayable"]
     t.release()
     assert memory.used == 0
+
+
+async def test_a_server_error_event_ends_the_stream_as_it_is(upstream: tuple[Upstream, str]) -> None:
+    up, url = upstream
+    up.error_after = 4  # a failure the continuation would meet again: passed on, not replayed
+    proxy = await start_proxy(url)
+    try:
+        events = await chat(proxy)
+    finally:
+        await proxy.close()
+    assert content(events) == "<0><1><2><3>"
+    assert events[-1]["error"]["message"] == "boom"
+    assert len(up.bodies) == 1
+
+
+async def test_a_refused_continuation_ends_the_stream_with_the_server_s_error(upstream: tuple[Upstream, str]) -> None:
+    up, url = upstream
+    up.die, up.refuse = [5], True
+    proxy = await start_proxy(url)
+    try:
+        events = await chat(proxy)
+    finally:
+        await proxy.close()
+    assert content(events) == "<0><1><2><3><4>"
+    assert events[-1]["error"]["message"] == "no" and len(up.bodies) == 2
+
+
+async def test_a_server_that_does_not_announce_ids_is_not_replayed(upstream: tuple[Upstream, str]) -> None:
+    up, url = upstream
+    up.die, up.honours = [5], False  # an older server: the header is ignored, so nothing could be continued
+    proxy = await start_proxy(url)
+    try:
+        events = await chat(proxy)
+    finally:
+        await proxy.close()
+    assert content(events) == "<0><1><2><3><4>", "events are not held for ids that never come"
+    assert events[-1]["error"]["kvctl_code"] == "upstream_disconnected" and len(up.bodies) == 1
+
+
+def test_a_continuation_keeps_the_client_s_own_continuation_tokens() -> None:
+    t = Transcript.start("/completion", {"prompt": "x", "continuation_tokens": [5, 6]}, 10, ReplayMemory(1000), "r")
+    t.observe(b": tokens 7 8\n\n")
+    assert json.loads(t.continuation())["continuation_tokens"] == [5, 6, 7, 8]
+
+
+def test_responses_ids_map_by_position_and_kind() -> None:
+    t = Transcript.start("/v1/responses", {"input": "x"}, 10, ReplayMemory(1000), "r")
+    for doc in (
+        {"type": "response.created", "response": {"id": "resp_A"}},
+        {"type": "response.output_item.added", "item": {"id": "fc_A1", "call_id": "call_A1"}},
+        {"type": "response.output_item.added", "item": {"id": "fc_A2", "call_id": "call_A2"}},
+    ):
+        t.observe(b"data: " + json.dumps(doc).encode() + b"\n\n")
+    t.continuation()
+    t.replays = 1
+    later = {"type": "response.function_call_arguments.delta", "item_id": "fc_B1", "delta": "fc_B1 is text"}
+    spliced = json.loads(t.splice(b"data: " + json.dumps(later).encode() + b"\n\n")[len(b"data: ") :])
+    assert spliced["item_id"] == "fc_A1" and spliced["delta"] == "fc_B1 is text"
+    done = {
+        "type": "response.completed",
+        "response": {
+            "id": "resp_B",
+            "output": [{"id": "fc_B1", "call_id": "call_B1"}, {"id": "fc_B2", "call_id": "call_B2"}, {"id": "fc_B3"}],
+        },
+    }
+    spliced = json.loads(t.splice(b"data: " + json.dumps(done).encode() + b"\n\n")[len(b"data: ") :])
+    assert spliced["response"]["id"] == "resp_A"
+    assert [o["id"] for o in spliced["response"]["output"]] == ["fc_A1", "fc_A2", "fc_B3"]
+    assert [o.get("call_id") for o in spliced["response"]["output"]] == ["call_A1", "call_A2", None]
