@@ -1262,18 +1262,14 @@ class Proxy:
                     ended = None if chunk is None or chunk else _EOF
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                     chunk, ended = b"", str(e)
-                hung = (
-                    chunk is None
-                    and time.monotonic() - last >= self.config.upstream_read_timeout_s
-                    and self.restarts is not None
-                )
-                can_replay = transcript is not None and transcript.replayable and not transcript.done and reopen
-                if can_replay and (ended is not None or hung):
-                    assert transcript is not None and reopen is not None
-                    # hung: kvctl kills the server it spawned and restarts it; the stream goes on after that
-                    why = ended or "timeout"
-                    restarted = self.restarts() if hung and self.restarts is not None else None
-                    again = await self._replay(request, resp, transcript, entry, reopen, why, restarted)
+                if chunk is None and time.monotonic() - last >= self.config.upstream_read_timeout_s:
+                    ended = "timeout"
+                replayable = transcript is not None and transcript.replayable and not transcript.done
+                # a hung server's stream goes on only once kvctl has killed and restarted the server it spawned
+                if replayable and reopen and ended is not None and (ended != "timeout" or self.restarts is not None):
+                    assert transcript is not None
+                    restarted = self.restarts() if ended == "timeout" and self.restarts is not None else None
+                    again = await self._replay(request, resp, transcript, entry, reopen, ended, restarted)
                     if again is not None:
                         held, framer = [], SSEFramer()  # their ids never came: the continuation sends them again
                         old, (replaced, upstream) = replaced, again
@@ -1283,45 +1279,30 @@ class Proxy:
                             await old.__aexit__(None, None, None)
                         last = time.monotonic()
                         continue
-                    if ended is None:
-                        ended = "timeout"
-                    if held:
-                        await self.write(request, resp, b"".join(held))  # complete events: the client gets them
-                        held = []
-                    if transcript is not None and transcript.refused is not None:
-                        await self.write(request, resp, transcript.refused)
+                    if transcript.refused is not None:
+                        await self.write(request, resp, b"".join(held) + transcript.refused)
                         return
-                    if ended == _EOF:
-                        ended = "the server's response ended before its final event"
-                if ended is not None and ended != _EOF:
+                    failed = True  # given up: even a response that merely ended gets the error event
+                else:
+                    failed = ended is not None and ended != _EOF
+                if failed:
+                    assert ended is not None
+                    status = 504 if ended == "timeout" else 502
                     if ended == "timeout":
                         message, code = self.end_message("timeout")
-                        status = 504
                     elif entry is not None and entry.ended.done():
                         message, code = self.end_message(entry.ended.result())
-                        status = 502
                     else:
                         message, code = f"llama-server went away mid-stream: {ended}", Code.UPSTREAM_DISCONNECTED
-                        status = 502
                     self.metrics.stream_errors.labels(stage=code).inc()
                     log.warning("stream.ended", request_id=request_id, reason=code, error=ended)
                     if held:
-                        await self.write(request, resp, b"".join(held))
+                        await self.write(request, resp, b"".join(held))  # complete events: the client gets them
                     if framer.pending:
                         await self.write(request, resp, b"\n\n")  # close the event the server left open
                     await self.write(request, resp, error_event(route, status, message, code))
                     return
                 if chunk is None:
-                    if time.monotonic() - last >= self.config.upstream_read_timeout_s:
-                        message, code = self.end_message("timeout")
-                        self.metrics.stream_errors.labels(stage=code).inc()
-                        log.warning("stream.ended", request_id=request_id, reason=code)
-                        if held:
-                            await self.write(request, resp, b"".join(held))
-                        if framer.pending:
-                            await self.write(request, resp, b"\n\n")  # close the event the server left open
-                        await self.write(request, resp, error_event(route, 504, message, code))
-                        return
                     if not framer.pending and not held:
                         await self.heartbeat(request, resp, "silence")
                     continue

@@ -80,16 +80,15 @@ def _data_json(event: bytes) -> Any:
     return None
 
 
-def _is_final(event: bytes) -> bool:
+def _is_final(event: bytes, doc: Any) -> bool:
     """The event that ends a stream in its protocol: OpenAI's [DONE], the native final chunk ("stop": true),
     Anthropic's message_stop, Responses' response.completed; or the server's error event, which ends it too (a
-    continuation would meet the same error)."""
+    continuation would meet the same error). ``doc``: the event's data as JSON (``_data_json``)."""
     for line in event.split(b"\n"):
         if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
             return True
         if line.startswith(b"event:") and line[6:].strip() == b"error":
             return True
-    doc = _data_json(event)
     if not isinstance(doc, dict):
         return False
     return (
@@ -150,10 +149,10 @@ class Transcript:
                 else:
                     self.drop("over proxy.replay_memory_mib")
             return
-        if _is_final(event):
+        doc = _data_json(event)
+        if _is_final(event, doc):
             self.done = True
             return
-        doc = _data_json(event)
         if self.first_id is None and isinstance(doc, dict) and isinstance(doc.get("id"), str):
             self.first_id = doc["id"]
             created = doc.get("created")

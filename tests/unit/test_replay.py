@@ -36,6 +36,7 @@ class Upstream:
         self.honours = True  # announces ids when asked (an older server does not)
         self.refuse = False  # answers a continuation with a 400
         self.error_after: int | None = None  # events before a server error event
+        self.eof = False  # dying: the response ends cleanly instead of the connection breaking
         self.die: list[int | None] = []
         self.bodies: list[dict[str, Any]] = []
         self.announced: list[bool] = []
@@ -77,6 +78,8 @@ class Upstream:
                 # what was sent is read before the connection ends (aiohttp's reader drops what it has not handed
                 # out when the connection breaks: that much neither the client nor the transcript ever gets)
                 await asyncio.sleep(0.1)
+                if self.eof:
+                    return resp  # the response ends cleanly, without its final event
                 assert request.transport is not None
                 request.transport.close()  # the server died: its kernel closes the connection after what it sent
                 return resp
@@ -290,3 +293,15 @@ def test_responses_ids_map_by_position_and_kind() -> None:
     assert spliced["response"]["id"] == "resp_A"
     assert [o["id"] for o in spliced["response"]["output"]] == ["fc_A1", "fc_A2", "fc_B3"]
     assert [o.get("call_id") for o in spliced["response"]["output"]] == ["call_A1", "call_A2", None]
+
+
+async def test_a_response_ending_early_past_the_limit_gets_the_error_event(upstream: tuple[Upstream, str]) -> None:
+    up, url = upstream
+    up.die, up.eof = [3, 0, 0], True
+    proxy = await start_proxy(url, replay_limit=2)
+    try:
+        events = await chat(proxy)
+    finally:
+        await proxy.close()
+    assert content(events) == "<0><1><2>" and len(up.bodies) == 3
+    assert events[-1]["error"]["kvctl_code"] == "upstream_disconnected"
