@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the patched llama-server that kvctl drives, and cache it outside the checkout.
 #
-#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--ui|--no-ui] [--no-patches] [--jobs N] [--force]
+#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--ui|--no-ui] [--amx] [--no-patches] [--jobs N] [--force]
 #   scripts/build_llama.sh --extract DIR     (only fetch the pinned source into DIR, unpatched)
 #
 # The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python 0.3.36
@@ -13,6 +13,13 @@
 # The WebUI (tools/ui of the pinned tree) is built with npm when npm is on PATH (or with --ui, which
 # fails without it) and embedded in the server; its build is cached apart, keyed by the UI's sources,
 # so a patch edit does not rebuild it. Without npm, or with --no-ui, the server has no WebUI.
+#
+# ggml's AMX path (the AMX extra buffer type that repacks quantized weights, compiled in when the native
+# CPU build sees AMX on a Sapphire Rapids or newer Xeon) segfaults in ggml_backend_amx_mul_mat at the first
+# quantized model's warm-up (llama.cpp issue 20824). On x86-64 it is left out by default with the CMake
+# arguments -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" and the same -DCMAKE_CXX_FLAGS
+# (-march=native stays; explicit -mno-* flags win over it); --amx builds it in again. The same holds
+# with --no-patches, so the benchmarks' upstream build runs the same models.
 #
 # Progress goes to stderr; the last line of stdout is the path of the llama-server binary.
 # Environment: KVCTL_PATCHES_DIR (default: patches/ of this checkout), KVCTL_LLAMA_SDIST
@@ -35,13 +42,14 @@ cuda=0
 cuda_arch="native"
 ui=auto
 use_patches=1
+amx=0
 force=0
 extract=""
 jobs="$(nproc 2>/dev/null || echo 2)"
 
 log() { printf 'build_llama: %s\n' "$*" >&2; }
 die() { printf 'build_llama: error: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -51,6 +59,7 @@ while [ $# -gt 0 ]; do
         --ui) ui=1 ;;
         --no-ui) ui=0 ;;
         --no-patches) use_patches=0 ;;
+        --amx) amx=1 ;;
         --jobs|-j) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
         --force) force=1 ;;
         --extract) [ $# -ge 2 ] || die "--extract needs a folder"; extract="$2"; shift ;;
@@ -79,6 +88,17 @@ fi
 flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF
        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF
        -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=ON)
+readonly NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+case "$(uname -m)" in
+    x86_64|amd64)
+        if [ "$amx" = 0 ]; then
+            flags+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
+            amx_info="ggml's AMX path left out (-DCMAKE_C_FLAGS/-DCMAKE_CXX_FLAGS=\"$NO_AMX\"; --amx builds it in)"
+        else
+            amx_info="ggml's AMX path built in where the CPU has AMX (--amx; it segfaults on quantized models on some Xeons, llama.cpp issue 20824)"
+        fi ;;
+    *) amx_info="no AMX on $(uname -m)" ;;
+esac
 if [ "$cuda" = 1 ]; then
     flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch")
 fi
@@ -110,7 +130,7 @@ fi
 # an entry from before the route table (src/server.cpp) and the server's test suite (server-tests/)
 # were kept is rebuilt: ccache makes that quick
 if [ "$force" = 0 ] && [ -z "$extract" ] && [ -x "$binary" ] && [ -f "$entry/src/server.cpp" ] && [ -f "$entry/server-tests/utils.py" ]; then
-    log "cache hit: $entry (patches $series_hash)"
+    log "cache hit: $entry (patches $series_hash; $amx_info)"
     echo "$binary"
     exit 0
 fi
@@ -198,6 +218,7 @@ if [ "$ui" = 1 ]; then
 fi
 
 # --- build -------------------------------------------------------------------------------
+log "$amx_info"
 log "configuring (${flags[*]})"
 export CCACHE_BASEDIR="$work" CCACHE_NOHASHDIR=1   # hit the ccache across temporary folders
 cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/cmake.log" 2>&1 \
@@ -224,6 +245,7 @@ cp "$src"/models/ggml-vocab-llama-spm.gguf "$src"/models/ggml-vocab-qwen35.gguf 
     for p in "${patches[@]+"${patches[@]}"}"; do echo "  $(basename "$p")"; done
     echo "flags: ${flags[*]}"
     echo "webui: $ui_info"
+    echo "amx: $amx_info"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } >"$stage/BUILD_INFO"
 rm -rf "$entry"
