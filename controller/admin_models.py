@@ -20,13 +20,14 @@ __all__ = [
     "SlotView",
     "Status",
     "SupervisorView",
+    "SwaPoolView",
     "UpstreamView",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
-3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and ``effective_priority``."""
+3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and ``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool)."""
 
 
 class _Model(BaseModel):
@@ -62,12 +63,24 @@ class SupervisorView(_Model):
     last_exit: ExitView | None
 
 
+class SwaPoolView(_Model):
+    """An iSWA model's sliding-window pool (held to its size, not to the watermarks)."""
+
+    n_cells: int
+    n_cells_used: int
+    """Cells inside some sequence's window; those a window has left are reused and count as free."""
+    n_swa: int
+    projected: float
+
+
 class PoolView(_Model):
     n_cells: int
     n_cells_used: int
     used_ratio: float
     projected_target: float
     projected_draft: float | None
+    swa: SwaPoolView | None = None
+    """The sliding-window pool of an iSWA model (Gemma 2 and 3, ...); None for other models."""
     pressure: float
     high: float
     low: float

@@ -483,6 +483,8 @@ def _pool_lines(pool: PoolView | None, *, unicode: bool) -> list[tuple[str, str]
     bar = pool_bar(pool.used_ratio, pool.high, pool.low, unicode=unicode)
     projected = f"target {_pct(pool.projected_target)}"
     projected += f"  draft {_pct(pool.projected_draft)}" if pool.projected_draft is not None else "  no draft pool"
+    if pool.swa is not None:
+        projected += f"  window {_pct(pool.swa.projected)} of {pool.swa.n_cells} cells"
     projected += f"  peak {_pct(pool.max_pressure)}"
     if pool.above_high_s is not None:
         projected += f"  at or above HIGH for {_duration(pool.above_high_s)}"

@@ -258,10 +258,15 @@ class Pressure:
     """Projected occupancy of the draft pool, when there is one."""
     gpu_low: bool = False
     """A GPU's free memory is under the floor."""
+    swa: float | None = None
+    """Projected occupancy of an iSWA model's sliding-window pool, when there is one."""
 
     @property
     def value(self) -> float:
-        return self.target if self.draft is None else max(self.target, self.draft)
+        """The larger of the target's and the draft's; the window pool's only once it would overflow (over 1): it is
+        held to its size, not to the watermarks (see ``_Pool``)."""
+        value = self.target if self.draft is None else max(self.target, self.draft)
+        return max(value, self.swa) if self.swa is not None and self.swa > 1.0 else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,41 +351,73 @@ class _Pool:
     used_draft: int
     idle: int  # cells held by idle slots: a prompt cache the server clears when a step or a resume needs room
     step: int  # cells the next decode step may add
+    # an iSWA model's sliding-window pool (None: the model has none). A sequence holds at most ``window`` cells
+    # there (the window of its last positions; the cells it has left are reused), and llama.cpp sizes the pool to
+    # one window per slot plus a batch, so it is held to its size, not to the watermarks: parking before it is
+    # full would park requests that fit. It takes part in the checks that a step, a park or a restore keeps every
+    # pool within its cap, not in the room admission offers (a new request's window always fits a free slot's).
+    n_swa: int | None = None
+    used_swa: int = 0  # cells inside some sequence's window
+    idle_swa: int = 0
+    step_swa: int = 0  # one decode step's cells: a window pool needs only the next batch beyond the windows
+    window: int = 0
 
     def sizes(self) -> _PerPool:
         return (self.n_target, self.n_draft) if self.n_draft else (self.n_target,)
 
-    def projected(self, extra_cells: int = 0, extra_step: int = 0) -> _PerPool:
-        """Projected cells of each pool, with ``extra_cells`` more held and ``extra_step`` more in the next step."""
+    def _swa_cells(self, cells: int) -> int:
+        return min(cells, self.window) if self.window > 0 else cells
+
+    def projected(self, extra_cells: int = 0, extra_step: int = 0, *, swa: bool = True) -> _PerPool:
+        """Projected cells of each pool, with ``extra_cells`` more held and ``extra_step`` more in the next step; the
+        window pool's last, where there is one (and ``swa``)."""
         step = max(0, self.step + extra_step)
         target = max(0, self.used_target - self.idle) + extra_cells + step
-        if not self.n_draft:
-            return (target,)
-        return target, max(0, self.used_draft - self.idle) + extra_cells + step
+        out: tuple[int, ...] = (target,)
+        if self.n_draft:
+            out += (max(0, self.used_draft - self.idle) + extra_cells + step,)
+        if swa and self.n_swa:
+            out += (
+                max(0, self.used_swa - self.idle_swa)
+                + self._swa_cells(extra_cells)
+                + max(0, self.step_swa + self._swa_cells(max(0, extra_step))),
+            )
+        return out
+
+    def _with_swa(self, caps: _PerPool) -> _PerPool:
+        return caps + (self.n_swa,) if self.n_swa else caps
 
     def below(self, watermark: float) -> _PerPool:
         """The most projected cells each pool may hold and stay strictly below ``watermark``: ceil(w x n) - 1, since
-        ceil(w x n) cells are at or above it."""
-        return tuple(math.ceil(_exact(watermark) * n) - 1 for n in self.sizes())
+        ceil(w x n) cells are at or above it (the window pool: its size)."""
+        return self._with_swa(tuple(math.ceil(_exact(watermark) * n) - 1 for n in self.sizes()))
 
     def up_to(self, watermark: float) -> _PerPool:
-        """The most projected cells each pool may hold and stay at or below ``watermark``: floor(w x n)."""
-        return tuple(math.floor(_exact(watermark) * n) for n in self.sizes())
+        """The most projected cells each pool may hold and stay at or below ``watermark``: floor(w x n) (the window
+        pool: its size)."""
+        return self._with_swa(tuple(math.floor(_exact(watermark) * n) for n in self.sizes()))
 
     def within(self, cap: _PerPool, extra_cells: int = 0, extra_step: int = 0) -> bool:
         """Every pool's projected cells, with the extra ones, are at most its ``cap``."""
         return all(cells <= most for cells, most in zip(self.projected(extra_cells, extra_step), cap, strict=True))
 
     def room(self, cap: _PerPool) -> int:
-        """Cells that may still be added to every pool, held or in the next step, within ``cap`` (negative: over)."""
-        return min(most - cells for cells, most in zip(self.projected(), cap, strict=True))
+        """Cells that may still be added to the target and draft pools, held or in the next step, within ``cap``
+        (negative: over)."""
+        return min(most - cells for cells, most in zip(self.projected(swa=False), cap, strict=False))
 
     def ratios(self) -> tuple[float, ...]:
-        """Projected occupancy of each pool, for reporting only: decisions compare cells."""
-        return tuple(cells / n for cells, n in zip(self.projected(), self.sizes(), strict=True))
+        """Projected occupancy of the target (and draft) pool, then of the window pool where there is one; for
+        reporting only: decisions compare cells."""
+        sizes = self._with_swa(self.sizes())
+        return tuple(cells / n for cells, n in zip(self.projected(), sizes, strict=True))
 
     def ratio(self) -> float:
-        return max(self.ratios())
+        ratios = self.ratios()
+        if not self.n_swa:
+            return max(ratios)
+        *rest, swa = ratios
+        return max(*rest, swa) if swa > 1.0 else max(rest)
 
     def free(self) -> int:
         """Cells a resume can have: the free ones and those of idle slots, which a resume clears."""
@@ -389,18 +426,26 @@ class _Pool:
             free = min(free, self.n_draft - self.used_draft + self.idle)
         return free
 
+    def fits(self, cells: int) -> bool:
+        """A request of ``cells`` cells fits the free cells of every pool (its window's share of the window pool)."""
+        if cells > self.free():
+            return False
+        return not self.n_swa or self._swa_cells(cells) <= self.n_swa - self.used_swa + self.idle_swa
+
     def capacity(self) -> int:
         return min(self.sizes())
 
     def remove(self, slot: Slot) -> None:
         self.used_target = max(0, self.used_target - slot.cells)
         self.used_draft = max(0, self.used_draft - slot.cells)  # the draft sequence mirrors the target's
+        self.used_swa = max(0, self.used_swa - self._swa_cells(slot.cells))
         if slot.state is SlotState.GENERATING:
             self.step = max(0, self.step - _step_cells(slot))
 
     def add(self, slot: Slot) -> None:
         self.used_target += slot.cells
         self.used_draft += slot.cells
+        self.used_swa += self._swa_cells(slot.cells)
         self.step += _step_cells(slot)
 
 
@@ -414,6 +459,8 @@ def _pool(kv: KvSnapshot) -> _Pool:
     # every prompt in progress reserves its whole rest, not only the next step's share (module docstring)
     prefill = sum(max(0, s.n_prefill_left) for s in kv.slots if s.state is SlotState.PROMPT)
     step = kv.next_step.n_total_max + max(0, prefill - kv.next_step.n_prompt_max)
+    swa = kv.swa if kv.swa is not None and kv.swa.n_cells > 0 else None
+    window = swa.n_swa if swa is not None else 0
     return _Pool(
         n_target=kv.n_cells,
         used_target=kv.n_cells_used,
@@ -421,6 +468,11 @@ def _pool(kv: KvSnapshot) -> _Pool:
         used_draft=kv.draft.n_cells_used if kv.draft is not None else 0,
         idle=idle,
         step=step,
+        n_swa=swa.n_cells if swa is not None else None,
+        used_swa=swa.n_cells_used if swa is not None else 0,
+        idle_swa=sum(min(s.cells, window) for s in kv.slots if s.state is SlotState.IDLE) if window else 0,
+        step_swa=kv.next_step.n_total_max,
+        window=window,
     )
 
 
@@ -428,8 +480,10 @@ def pressure(kv: KvSnapshot, gpu_low: bool = False) -> Pressure:
     """Projected occupancy of the target and draft pools (see the module docstring)."""
     if kv.n_cells <= 0:
         return Pressure(0.0, None, gpu_low)
-    target, *draft = _pool(kv).ratios()
-    return Pressure(target, draft[0] if draft else None, gpu_low)
+    pool = _pool(kv)
+    ratios = list(pool.ratios())
+    swa = ratios.pop() if pool.n_swa else None
+    return Pressure(ratios[0], ratios[1] if len(ratios) > 1 else None, gpu_low, swa)
 
 
 def _arrival(slot: Slot) -> int:
@@ -731,7 +785,7 @@ def _restore_one(plan: _Plan, slot: Slot, *, is_head: bool) -> SkipReason | None
     """Restore one parked request if a rule lets it in now (below LOW, an empty pool, or a starving head); else
     why not."""
     waited = plan.waited(slot)
-    fits_free = slot.cells <= plan.pool.free()
+    fits_free = plan.pool.fits(slot.cells)
     # its cells, its next step and a margin for the steps before the next poll
     at_or_below_low = plan.pool.within(plan.low, slot.cells, _step_cells(slot) + plan.cfg.margin_cells)
     if fits_free and not plan.gpu_low and at_or_below_low:
@@ -770,7 +824,7 @@ def _restore_starving(plan: _Plan, slot: Slot, waited: int) -> bool:
     step = _step_cells(slot)
 
     def fits() -> bool:
-        return slot.cells <= plan.pool.free() and plan.pool.within(plan.high, slot.cells, step)
+        return plan.pool.fits(slot.cells) and plan.pool.within(plan.high, slot.cells, step)
 
     made = fits() or plan.park_until(fits, Reason.MAKE_ROOM, all_or_nothing=True, at_most=plan.priority(slot))
     if not made:
@@ -793,7 +847,7 @@ def _displace(plan: _Plan) -> None:
         return
 
     def fits() -> bool:
-        return q.cells + 1 <= plan.pool.free() and plan.pool.within(plan.high, q.cells, 1)
+        return plan.pool.fits(q.cells + 1) and plan.pool.within(plan.high, q.cells, 1)
 
     if not fits():
         plan.park_until(fits, Reason.DISPLACE, all_or_nothing=True, at_most=plan.queued - 1)

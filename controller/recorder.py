@@ -112,6 +112,9 @@ class Recorder:
         if kv.draft is not None and p.draft is not None:
             m.kv_used_ratio.labels(pool="draft").set(kv.draft.used_ratio)
             m.kv_projected_ratio.labels(pool="draft").set(p.draft)
+        if kv.swa is not None and p.swa is not None:
+            m.kv_used_ratio.labels(pool="swa").set(kv.swa.used_ratio)
+            m.kv_projected_ratio.labels(pool="swa").set(p.swa)
         m.kv_pressure_ratio.set(p.value)
         m.parked_requests.set(kv.n_parked)
         m.parked_bytes.set(kv.parked_bytes)

@@ -10,6 +10,7 @@ from controller.admin_models import (
     GpuDeviceView,
     LoopView,
     PoolView,
+    SwaPoolView,
     SlotView,
     Status,
     SupervisorView,
@@ -66,6 +67,16 @@ def build_status(
             used_ratio=kv.used_ratio,
             projected_target=p.target,
             projected_draft=p.draft,
+            swa=(
+                SwaPoolView(
+                    n_cells=kv.swa.n_cells,
+                    n_cells_used=kv.swa.n_cells_used,
+                    n_swa=kv.swa.n_swa,
+                    projected=p.swa if p.swa is not None else kv.swa.used_ratio,
+                )
+                if kv.swa is not None
+                else None
+            ),
             pressure=p.value,
             high=config.high,
             low=config.low,

@@ -14,6 +14,7 @@ from controller.upstream.models import (
     PoolInfo,
     Slot,
     SlotState,
+    WindowPool,
 )
 
 
@@ -46,9 +47,11 @@ def kv(
     park_modes: tuple[ParkMode, ...] | None = None,
     host_ram: int | None = None,
     rates: ParkRates | None = None,
+    swa: tuple[int, int] | None = None,
 ) -> KvSnapshot:
     """park_modes None: an older server (swap only, no costs published); host_ram and rates: what a newer server
-    reports of the host's available memory and of its measured copy and prompt rates."""
+    reports of the host's available memory and of its measured copy and prompt rates; swa (cells, window): an iSWA
+    model's window pool, each resident slot holding min(its cells, window) cells there."""
     out = []
     used = 0
     parked_bytes = 0
@@ -106,6 +109,18 @@ def kv(
             used_ratio=used / draft_cells,
             source="exact",
         )
+    window_pool = None
+    if swa is not None:
+        swa_cells, window = swa
+        live = sum(min(s.n_cells, window) for s in slots if SlotState(s.state) is not SlotState.PARKED)
+        window_pool = WindowPool(
+            n_cells=swa_cells,
+            n_cells_used=live,
+            n_cells_free=swa_cells - live,
+            used_ratio=live / swa_cells,
+            source="exact",
+            n_swa=window,
+        )
     return KvSnapshot(
         n_cells=n_cells,
         n_cells_used=used,
@@ -113,6 +128,7 @@ def kv(
         used_ratio=used / n_cells,
         source="exact",
         draft=draft,
+        swa=window_pool,
         bytes_per_cell=bytes_per_cell,
         next_step=NextStep(
             n_gen=n_gen, n_draft_max=n_draft, n_prompt_max=n_prompt, n_total_max=n_gen + n_draft + n_prompt

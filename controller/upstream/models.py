@@ -30,6 +30,7 @@ __all__ = [
     "ResumeTimings",
     "Slot",
     "SlotState",
+    "WindowPool",
 ]
 
 
@@ -45,6 +46,13 @@ class PoolInfo(_Shape):
     n_cells_free: int
     used_ratio: float
     source: str  # "exact" | "estimate"
+
+
+class WindowPool(PoolInfo):
+    """An iSWA model's sliding-window pool: a cell the window has left counts as free (the cache reuses it)."""
+
+    n_swa: int
+    """The model's window, in positions: the most cells one sequence holds in this pool."""
 
 
 class NextStep(_Shape):
@@ -201,6 +209,8 @@ class KvSnapshot(_Shape):
     used_ratio: float
     source: str
     draft: PoolInfo | None = None
+    swa: WindowPool | None = None
+    """An iSWA model's sliding-window pool; None: the model has none, or an older server."""
     bytes_per_cell: int
     next_step: NextStep
     n_slots: int

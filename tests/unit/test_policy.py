@@ -899,3 +899,45 @@ def test_a_request_larger_than_low_times_the_pool_is_restored_once_arrivals_stop
         if not sim.slots:
             break
     assert not sim.slots and restored_at is not None
+
+
+# --- an iSWA model's window pool ------------------------------------------------------------------
+
+
+def test_a_full_window_pool_that_fits_parks_nothing() -> None:
+    # Gemma 3 at -np 4: a window pool of 4 windows of 512 plus a batch; long requests fill their windows
+    snap = kv(8192, [S("generating", 2500, t_arrival_ms=i) for i in range(1, 4)], swa=(1539, 512))
+    p = pressure(snap)
+    assert p.swa == pytest.approx(1.0), "exactly full: the next step fits"
+    assert p.value == p.target, "the window pool is held to its size, not to the watermarks"
+    assert run(snap).actions == ()
+
+
+def test_the_window_pool_parks_when_it_would_overflow() -> None:
+    # a window pool smaller than its windows (a server sized for fewer slots): the target pool has room
+    snap = kv(8192, [S("generating", 2000, t_arrival_ms=i) for i in range(1, 4)], swa=(1100, 512))
+    p = pressure(snap)
+    assert p.target < 0.8 and p.swa is not None and p.swa > 1.0
+    assert p.value == p.swa
+    d = run(snap)
+    assert parked_slots(d) == [2], "the newest is parked until the windows fit"
+    assert d.projected_after <= 1.0
+
+
+def test_a_restore_needs_room_for_its_window_only() -> None:
+    # one window of room: a parked 3000-cell request comes back (it needs 512 window cells, not 3000)
+    snap = kv(
+        8192,
+        [S("generating", 3000, t_arrival_ms=1), S("parked", 3000, t_arrival_ms=2, parked_since_ms=NOW - 10)],
+        swa=(1280, 512),
+        park_modes=BOTH,
+    )
+    assert resumed_slots(run(snap)) == [1]
+    # no room for a second window: it stays parked
+    tight = kv(
+        8192,
+        [S("generating", 3000, t_arrival_ms=1), S("parked", 3000, t_arrival_ms=2, parked_since_ms=NOW - 10)],
+        swa=(1000, 512),
+        park_modes=BOTH,
+    )
+    assert resumed_slots(run(tight)) == []
