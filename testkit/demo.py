@@ -1,9 +1,10 @@
 """The quickstart's demo: a burst of concurrent chats that would overflow the pool.
 
-    python -m testkit.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000]
+    python -m testkit.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000] [--question TEXT]
 
-Sends the chats through kvctl's proxy with the openai SDK, then prints how many completed and how
-many parks it took (kvctl's own and the server's safety net's). Exit 0 only if every chat completed.
+Asks one question and prints the answer (a real model answers it; --question '' skips it), then sends
+the chats through kvctl's proxy with the openai SDK, then prints how many completed and how many parks
+it took (kvctl's own and the server's safety net's). Exit 0 only if every chat completed.
 """
 
 from __future__ import annotations
@@ -50,8 +51,18 @@ async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float
     )
 
 
+async def ask(client: openai.AsyncOpenAI, question: str) -> str:
+    answer = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": question}], max_tokens=96, temperature=0
+    )
+    return (answer.choices[0].message.content or "").strip()
+
+
 async def run(args: argparse.Namespace) -> int:
     client = openai.AsyncOpenAI(base_url=args.proxy + "/v1", api_key="demo", timeout=600)
+    if args.question:
+        print(f"demo: asked {args.question!r} through {args.proxy}", flush=True)
+        print(f"demo: answer: {await ask(client, args.question)}", flush=True)
     async with aiohttp.ClientSession() as s:
         kvctl0 = await metric(s, args.admin, "kvctl_parks_total")
         auto0 = await metric(s, args.server, "llamacpp:slot_auto_parks_total")
@@ -81,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", default="http://127.0.0.1:8081")
     ap.add_argument("--chats", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=3000)
+    ap.add_argument("--question", default="What is the capital of France?")
     return asyncio.run(run(ap.parse_args(argv)))
 
 

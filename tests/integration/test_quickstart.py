@@ -15,14 +15,16 @@ from testkit.llama import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quickstart_demo_completes_every_chat(llama_server_bin: Path) -> None:
+def test_quickstart_demo_answers_and_completes_every_chat(llama_server_bin: Path) -> None:
     env = {
         **os.environ,
         "PORT": str(free_port()),
         "ADMIN_PORT": str(free_port()),
         "SERVER_PORT": str(free_port()),
         "CHATS": "4",
-        "TOKENS": "3000",
+        # SmolLM2 (the default model): 4 x 1500 tokens and their prompts overflow a 4096-cell pool
+        "CTX": "4096",
+        "TOKENS": "1500",
     }
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--demo"],
@@ -33,6 +35,9 @@ def test_quickstart_demo_completes_every_chat(llama_server_bin: Path) -> None:
     )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "4/4 chats completed" in res.stdout
+    answer = next(line for line in res.stdout.splitlines() if line.startswith("demo: answer: "))
+    assert "Paris" in answer, "the default model is a real one, and it answers"
+    assert "SmolLM2-135M-Instruct" in res.stderr
     parks = res.stdout.split("parks: ", 1)[1]
     assert not parks.startswith("0 by kvctl, 0 by"), "the burst must overflow the pool, or the demo shows nothing"
     # it shut down cleanly: no server or kvctl left behind on its ports
