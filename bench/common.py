@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
-from testkit import models  # noqa: E402
+from testkit import models, realmodels  # noqa: E402
 from testkit.llama import ServerProcess  # noqa: E402
 
 
@@ -41,6 +41,8 @@ def model(kind: str, binary: Path) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvctl" / "models"
     cache.mkdir(parents=True, exist_ok=True)
     v = vocab_dir(binary)
+    if kind in realmodels.MODELS:
+        return realmodels.model_path(kind)  # trained weights from their packages (testkit.realmodels)
     if kind == "qwen35":
         return models.write_qwen35(cache / "bench-qwen35-mtp.gguf", v / "ggml-vocab-qwen35.gguf")
     return models.write_llama(cache / f"bench-{kind}.gguf", v / "ggml-vocab-llama-spm.gguf", models.SIZES[kind])

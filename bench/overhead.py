@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "--shared-core", action="store_true", help="add a row with kvctl and the client on the server's core"
     )
     ap.add_argument("--n-predict", type=int, default=256)
-    ap.add_argument("--model", default="bench", choices=["bench", "tiny", "gpu"])
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny", "gpu", "smollm2", "gemma3"])
     ap.add_argument("--server-args", default="", help="extra llama-server flags for both servers, e.g. '-ngl 99'")
     ap.add_argument("--no-pin", action="store_true", help="let servers, client and kvctl share every CPU")
     ap.add_argument("--out", default="overhead", help="name of the table in bench/results/")

@@ -112,7 +112,7 @@ async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny", "smollm2", "gemma3"])
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     binary = build()

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="upstream,safety-net,kvctl,kvctl-seed")
     ap.add_argument("--workloads", default="equal-long,mixed,late-prompts,full-ctx")
     ap.add_argument("--quick", action="store_true", help="8192 only, two workloads")
-    ap.add_argument("--model", default="tiny", choices=["tiny", "bench", "gpu"])
+    ap.add_argument("--model", default="tiny", choices=["tiny", "bench", "gpu", "smollm2", "gemma3"])
     ap.add_argument("--server-args", default="", help="extra llama-server flags for every server, e.g. '-ngl 99'")
     ap.add_argument("--out", default="pressure", help="name of the table and plot in bench/results/")
     ap.add_argument(

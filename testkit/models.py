@@ -50,6 +50,14 @@ _TOKENIZER_PREFIX = "tokenizer.ggml."
 _QUANTIZATION_VERSION = 2
 
 
+# a spec's ``weights``: the GGML type of its matrices and the file type the GGUF declares
+WEIGHT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+
+
 @dataclass(frozen=True)
 class LlamaSpec:
     """Shape and seed of a random llama model; the defaults are the "tiny" size."""
@@ -66,8 +74,15 @@ class LlamaSpec:
     embd_std: float = 1.0  # token_embd and output
     hidden_std: float = 0.2  # every other matrix
     head_dim_kv: int = 0  # 0: n_embd / n_head; else heads this wide (many KV bytes a cell from a small model)
+    # the matrices' type: f32, or q8_0 / q4_0 quantized by gguf-py (the norms stay f32), as a user's quantized
+    # model would load (the quantized CPU kernels, the repacking of the extra buffer types)
+    weights: str = "f32"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_TYPES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_TYPES)}, got {self.weights!r}")
+        if self.weights != "f32" and (self.n_embd % 32 or self.n_ff % 32 or (self.n_head * self.head_dim) % 32):
+            raise ValueError(f"{self.weights} weights need n_embd, n_ff and n_head * head_dim multiples of 32")
         if self.head_dim_kv < 0:
             raise ValueError(f"head_dim_kv must be non-negative, got {self.head_dim_kv}")
         for name in ("n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx_train"):
@@ -112,7 +127,8 @@ def _sha256(path: Path) -> str:
 def spec_fields(spec: Any) -> dict[str, Any]:
     """The spec as its stamp holds it: a field at its default of "absent" (head_dim_kv 0) stays out, so that
     adding it kept the stamps, and the cached models, of every earlier spec."""
-    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k == "head_dim_kv" and v == 0)}
+    absent = {"head_dim_kv": 0, "weights": "f32"}
+    return {k: v for k, v in dataclasses.asdict(spec).items() if not (k in absent and absent[k] == v)}
 
 
 def _stamp(arch: str, spec: Any, vocab_sha256: str) -> str:
@@ -327,8 +343,9 @@ def write_llama(path: Path, vocab: Path, spec: LlamaSpec = LlamaSpec()) -> Path:
         n_vocab = _copy_tokenizer(w, vocab, vocab_sha256)
         hd = spec.head_dim
 
+        qtype, file_type = WEIGHT_TYPES[spec.weights]
         w.add_name("kvctl-testmodel-llama")
-        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_file_type(file_type)
         w.add_quantization_version(_QUANTIZATION_VERSION)
         w.add_context_length(spec.n_ctx_train)
         w.add_embedding_length(spec.n_embd)
@@ -349,33 +366,39 @@ def write_llama(path: Path, vocab: Path, spec: LlamaSpec = LlamaSpec()) -> Path:
         # model and needs a _GENERATOR_VERSION bump.
         rng = np.random.default_rng(spec.seed)
         ones = np.ones(spec.n_embd, dtype=np.float32)
+        def matrix(name: str, data: npt.NDArray[np.float32]) -> None:
+            if qtype == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(name, data)
+            else:
+                w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
         # numpy shapes are ggml ne reversed: token_embd is ne {n_embd, n_vocab}.
-        w.add_tensor("token_embd.weight", _normal(rng, (n_vocab, spec.n_embd), spec.embd_std))
+        matrix("token_embd.weight", _normal(rng, (n_vocab, spec.n_embd), spec.embd_std))
         for i in range(spec.n_layer):
             std = spec.hidden_std
             w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-            w.add_tensor(
+            matrix(
                 f"blk.{i}.attn_q.weight",
                 _normal(rng, (spec.n_head * hd, spec.n_embd), std),
             )
-            w.add_tensor(
+            matrix(
                 f"blk.{i}.attn_k.weight",
                 _normal(rng, (spec.n_head_kv * hd, spec.n_embd), std),
             )
-            w.add_tensor(
+            matrix(
                 f"blk.{i}.attn_v.weight",
                 _normal(rng, (spec.n_head_kv * hd, spec.n_embd), std),
             )
-            w.add_tensor(
+            matrix(
                 f"blk.{i}.attn_output.weight",
                 _normal(rng, (spec.n_embd, spec.n_head * hd), std),
             )
             w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-            w.add_tensor(f"blk.{i}.ffn_gate.weight", _normal(rng, (spec.n_ff, spec.n_embd), std))
-            w.add_tensor(f"blk.{i}.ffn_up.weight", _normal(rng, (spec.n_ff, spec.n_embd), std))
-            w.add_tensor(f"blk.{i}.ffn_down.weight", _normal(rng, (spec.n_embd, spec.n_ff), std))
+            matrix(f"blk.{i}.ffn_gate.weight", _normal(rng, (spec.n_ff, spec.n_embd), std))
+            matrix(f"blk.{i}.ffn_up.weight", _normal(rng, (spec.n_ff, spec.n_embd), std))
+            matrix(f"blk.{i}.ffn_down.weight", _normal(rng, (spec.n_embd, spec.n_ff), std))
         w.add_tensor("output_norm.weight", ones)
-        w.add_tensor("output.weight", _normal(rng, (n_vocab, spec.n_embd), spec.embd_std))
+        matrix("output.weight", _normal(rng, (n_vocab, spec.n_embd), spec.embd_std))
 
     return _write_model(path, "llama", stamp, populate)
 

@@ -15,6 +15,8 @@ the detokenized ids), a valid stop, and any grammar or schema still holding.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -26,9 +28,11 @@ import anthropic
 import openai
 import pytest
 
-from testkit import realmodels
-from testkit.llama import StreamResult, get_json, post_action, stream_completion
+from testkit import models, realmodels
+from testkit.llama import StreamResult, free_port, get_json, post_action, server_argv, stream_completion
+from testkit.stack import start_stack
 from tests.integration.conftest import ProxyFactory, ServerFactory
+from tests.integration.test_replay import kill_server
 
 pytestmark = pytest.mark.server
 
@@ -109,7 +113,7 @@ async def run(
 def outcome(res: StreamResult) -> Outcome:
     assert res.status == 200 and res.error is None, res.error
     assert res.final is not None
-    ids = [int(t) for c in res.comments if c.startswith("tokens") for t in c.split()[1:]]
+    ids = outcome_ids(res)
     assert ids or not res.tokens, "no ': tokens' comments: the server does not announce ids"
     return ids, res.content, res.final.get("stop_type"), res.final.get("stopping_word")
 
@@ -343,3 +347,113 @@ async def test_smollm2_chat_template_renders_the_same_through_kvctl(
         replies.append(([b.text for b in msg.content if b.type == "text"], msg.stop_reason))
     assert replies[0] == replies[1]
     assert replies[0][0] == [answers[0][0]], "the same template renders for both protocols"
+
+
+@pytest.mark.parametrize("weights", ["q4_0", "q8_0"])
+async def test_a_quantized_random_model_loads_answers_and_parks(
+    weights: str, models_dir: Path, vocab_dir: Path, start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    """testkit's tiny model with Q4_0 / Q8_0 matrices (gguf-py) loads with the default flags (the weights'
+    repacking for the CPU's extra buffer types included) and answers; a swap park keeps its answer."""
+    spec = dataclasses.replace(models.SIZES["tiny"], weights=weights)
+    path = models.write_llama(models_dir / f"tiny-{weights}.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf", spec)
+    srv = start_server(*POOL, model=path)
+    req = native("Once upon a time", 32)
+    ref = outcome(await run(http, srv.url, req))
+    assert ref[2] == "limit" and len(ref[0]) == 32, ref
+    parks: list[dict[str, Any]] = []
+    res = await run(http, srv.url, req, parking(http, srv.url, 8, "swap", parks))
+    await assert_parked_run(http, srv.url, res, ref, "swap", parks)
+
+
+REPLAYS = {
+    # name: model, prompt (CHAT: a ChatML user turn), n_predict, the token count at which the server is killed,
+    # extra fields
+    "smollm2-eos": ("smollm2", "CHAT:What is the capital of France? Answer in one sentence.", 64, 4, {}),
+    "smollm2-json-schema": (
+        "smollm2",
+        "CHAT:Describe Paris as JSON with its landmarks.",
+        160,
+        20,
+        {"json_schema": SCHEMA},
+    ),
+    "gemma3-cjk": ("gemma3", "東京は日本の首都です。北京は中国の首都です。ソウルは", 30, 9, {}),
+    "gemma3-past-the-window": ("gemma3", LONG_TEXT + "\nChapter 15.", 48, 24, {}),
+}
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+async def test_streams_replayed_after_a_crash_end_the_same_way(
+    model: str,
+    request: pytest.FixtureRequest,
+    llama_server_bin: Path,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    """kvctl --spawn, the server SIGKILLed mid-answer: the stream goes on from the restarted server. A replay
+    evaluates the prompt and the tokens the client has again (like a recompute park), so it is held to the same
+    guarantee: the tokens before the crash are the uncrashed run's, none dropped or repeated, the same kind of
+    stop (EOS, the schema's JSON), no U+FFFD."""
+    path: Path = request.getfixturevalue(model)
+    sport = free_port()
+    argv = server_argv(llama_server_bin, path, sport, *POOL)
+    cases = {k: v for k, v in REPLAYS.items() if v[0] == model}
+    log_path = tmp_path / "kvctl.log"
+    with start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, log_path=log_path, timeout_s=60) as url:
+        for name, (_, prompt, n_predict, kill_at, extra) in cases.items():
+            if prompt.startswith("CHAT:"):
+                prompt = f"<|im_start|>user\n{prompt[5:]}<|im_end|>\n<|im_start|>assistant\n"
+            req = native(prompt, n_predict, **extra)
+            del req["id_slot"]
+            ref = outcome(await run(http, url, req))
+            before: list[int] = []
+
+            async def kill(res: StreamResult, kill_at: int = kill_at, before: list[int] = before) -> None:
+                if len(res.n_decoded) == kill_at and not before:
+                    before.extend(outcome_ids(res))
+                    kill_server(sport)
+
+            res = await asyncio.wait_for(run(http, url, req, kill), 120)
+            assert before, f"{name}: the server was not killed (the answer ended before token {kill_at})"
+            got = outcome(res)
+            assert got[0][: len(before)] == ref[0][: len(before)] == before, f"{name}: a token before the crash changed"
+            assert got[2] == ref[2], f"{name}: {got} ended unlike {ref}"
+            assert "\ufffd" not in got[1]
+            ids = got[0][:-1] if got[2] == "eos" else got[0]
+            async with http.post(url + "/detokenize", json={"tokens": ids}) as resp:
+                assert (await resp.json())["content"] == got[1], f"{name}: the streamed text is not the streamed ids"
+            if "json_schema" in extra:
+                assert set(json.loads(got[1])) == set(SCHEMA["required"]), got[1]
+            if name == "smollm2-eos":
+                assert "Paris" in got[1], got
+        log = log_path.read_text()
+    assert log.count("replay.sent") == len(cases), log[-3000:]
+
+
+def outcome_ids(res: StreamResult) -> list[int]:
+    return [int(t) for c in res.comments if c.startswith("tokens") for t in c.split()[1:]]
+
+
+async def test_the_safety_net_carries_gemma_past_a_full_pool(
+    gemma3: Path, start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
+    """Two Gemma continuations of a prompt past the window overflow a 1536-cell pool mid-generation: the server's
+    safety net parks one (no controller here) and resumes it when the other ends; both reach n_predict with
+    every token once, and no request fails."""
+    srv = start_server("-c", "1536", "-np", "2", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots", model=gemma3)
+    reqs = [
+        {"prompt": LONG_TEXT + f"\nChapter {15 + i}.", "n_predict": 160, "temperature": 0, "ignore_eos": True}
+        for i in range(2)
+    ]
+    results = await asyncio.gather(*[run(http, srv.url, r) for r in reqs])
+    for res in results:
+        got = outcome(res)
+        assert got[2] == "limit" and len(got[0]) == 160, got[2:]
+        async with http.post(srv.url + "/detokenize", json={"tokens": got[0]}) as resp:
+            assert (await resp.json())["content"] == got[1], "a token lost or repeated"
+        assert "\ufffd" not in got[1]
+    text = await (await http.get(srv.url + "/metrics")).text()
+    parks = [float(line.split()[-1]) for line in text.split("\n") if line.startswith("llamacpp:slot_auto_parks_total")]
+    assert parks and parks[0] > 0, "the pool never overflowed: the test shows nothing"
+    assert sum(r.comments.count("parked") for r in results) >= 1
+    assert "Context size has been exceeded" not in srv.log_text()

@@ -208,3 +208,26 @@ def test_sizes_and_validation() -> None:
         LlamaSpec(n_embd=65)
     with pytest.raises(ValueError):
         LlamaSpec(n_head=4, n_head_kv=3)
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+def test_quantized_weights(weights: str, vocab: Path, tmp_path: Path) -> None:
+    """The matrices carry the quantized type, the norms stay F32, the file type says so, and the stamp (so the
+    cache) tells the quantized model from the F32 one; an F32 spec's stamp is unchanged by the field."""
+    out = write_llama(tmp_path / "q.gguf", vocab, LlamaSpec(weights=weights))
+    reader = gguf.GGUFReader(out)
+    qtype, file_type = models.WEIGHT_TYPES[weights]
+    tensors = _tensors(reader)
+    assert tensors["blk.0.attn_q.weight"].tensor_type == qtype
+    assert tensors["token_embd.weight"].tensor_type == qtype
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert _scalar(reader, "general.file_type") == file_type
+    assert _stamp(out)["spec"]["weights"] == weights
+    assert "weights" not in spec_fields(LlamaSpec())
+
+
+def test_weights_validation() -> None:
+    with pytest.raises(ValueError, match="weights must be one of"):
+        LlamaSpec(weights="q5_k")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        LlamaSpec(n_embd=48, n_head=4, n_head_kv=4, weights="q4_0")
