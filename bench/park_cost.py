@@ -1,6 +1,6 @@
 """Park and resume cost of both modes against the request's length, beside a prefill of as many tokens.
 
-    python bench/park_cost.py [--model bench|tiny] [--repeat 5]
+    python bench/park_cost.py [--model bench|tiny|smollm2|gemma3] [--repeat 5] [--cells 256,1024,4096,16384]
 
 For sequences of 256 to 16384 cells, parks and resumes a generating request through the API:
   swap       the server's own park_ms / resume_ms, the snapshot size and the resulting bandwidth,
@@ -114,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bench", choices=["bench", "tiny", "smollm2", "gemma3"])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--cells", default="256,1024,4096,16384", help="request lengths to measure")
+    ap.add_argument("--out", default="park_cost", help="name of the table and plot in bench/results/")
     args = ap.parse_args(argv)
+    cells = [int(c) for c in args.cells.split(",")]
     binary = build()
     gguf = model(args.model, binary)
     rows = []
-    with server(binary, gguf, "-c", "20480", "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048") as srv:
-        for n_cells in (256, 1024, 4096, 16384):
+    n_ctx = str(max(cells) + 4096)
+    with server(binary, gguf, "-c", n_ctx, "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048") as srv:
+        for n_cells in cells:
             park, resume, n_bytes = asyncio.run(measure(srv.url, n_cells, args.repeat))
             # a re-evaluation is a prefill: quadratic in length, minutes for 16k cells on a CPU, so fewer repeats
             rc_repeat = args.repeat if n_cells <= 4096 else 1
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"model: {args.model} ({gguf.name}), -fa on, CPU\n")
     print(out)
-    save("park_cost.md", out + "\n")
+    save(f"{args.out}.md", f"model: {args.model} ({gguf.name}), -fa on, CPU\n\n" + out + "\n")
     try:
         import matplotlib
 
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.legend()
         ax.grid(True, which="both", alpha=0.3)
         fig.tight_layout()
-        fig.savefig(save("park_cost.png", "").parent / "park_cost.png")
+        fig.savefig(save(f"{args.out}.png", "").parent / f"{args.out}.png")
     except ImportError:
         print("(matplotlib not installed: no plot)")
     return 0
