@@ -53,7 +53,11 @@ async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float
 
 async def ask(client: openai.AsyncOpenAI, question: str) -> str:
     answer = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": question}], max_tokens=96, temperature=0
+        model="demo",
+        # SmolLM2-135M answers a bare question with noise; with a system turn it answers it
+        messages=[{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}],
+        max_tokens=96,
+        temperature=0,
     )
     return (answer.choices[0].message.content or "").strip()
 
