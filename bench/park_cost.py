@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
-    print(f"model: {args.model} ({gguf.name}), -fa on, CPU\n")
+    out = f"model: {args.model} ({gguf.name}), -fa on, CPU\n\n" + out
     print(out)
-    save(f"{args.out}.md", f"model: {args.model} ({gguf.name}), -fa on, CPU\n\n" + out + "\n")
+    save(f"{args.out}.md", out + "\n")
     try:
         import matplotlib
 

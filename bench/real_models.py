@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import build, model, save, server, table
+from bench.exactness import first_divergence
 from testkit.llama import StreamResult, post_action, stream_completion
 
 LAYOUTS = {
@@ -52,18 +53,6 @@ PROMPTS: dict[str, list[tuple[str, str, int, dict[str, Any]]]] = {
         ("cjk", "東京は日本の首都です。北京は中国の首都です。ソウルは", 48, {}),
     ],
 }
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def ids(res: StreamResult) -> list[int]:
-    # X-Token-Ids: 1 announces every id; a chunk's own "tokens" leave out those of held-back UTF-8 bytes
-    return [int(t) for c in res.comments if c.startswith("tokens") for t in c.split()[1:]]
 
 
 async def one(url: str, req: dict[str, Any], every: int, mode: str | None) -> tuple[StreamResult, int]:
@@ -101,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                     ref, _ = asyncio.run(one(srv.url, {**req, **extra}, args.every, None))
                     for mode in ("swap", "recompute"):
                         got, parks = asyncio.run(one(srv.url, {**req, **extra}, args.every, mode))
-                        div = first_divergence(ids(ref), ids(got))
+                        same = ref.announced_ids == got.announced_ids
+                        div = first_divergence(ref.announced_ids, got.announced_ids)
                         text = got.content.strip().replace("\n", " ").replace("|", "/")
                         rows.append(
                             (
@@ -110,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                 what,
                                 mode,
                                 parks,
-                                ids(ref) == ids(got),
+                                same,
                                 ref.content == got.content,
                                 "-" if div is None else div,
                                 (got.final or {}).get("stop_type"),

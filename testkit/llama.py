@@ -175,6 +175,12 @@ class StreamResult:
     error: dict[str, Any] | None = None
     id_slot: int | None = None
 
+    @property
+    def announced_ids(self) -> list[int]:
+        """The token ids of the ``: tokens`` comments (asked for with ``X-Token-Ids: 1``): every id, where a chunk's
+        own ``tokens`` leave out those of tokens whose text the server held back (incomplete UTF-8)."""
+        return [int(t) for c in self.comments if c.startswith("tokens") for t in c.split()[1:]]
+
 
 async def stream_completion(
     session: aiohttp.ClientSession,

@@ -85,7 +85,7 @@ def parking(
         if status == 409:
             return  # it finished (or is finishing) between the chunk and the park
         assert status == 200, body
-        parks.append({**body, "at": sum(len(c.split()) - 1 for c in res.comments if c.startswith("tokens"))})
+        parks.append({**body, "at": len(res.announced_ids)})
         status, body, _ = await post_action(http, url, slot, "resume")
         assert status == 200, body
 
@@ -113,7 +113,7 @@ async def run(
 def outcome(res: StreamResult) -> Outcome:
     assert res.status == 200 and res.error is None, res.error
     assert res.final is not None
-    ids = outcome_ids(res)
+    ids = res.announced_ids
     assert ids or not res.tokens, "no ': tokens' comments: the server does not announce ids"
     return ids, res.content, res.final.get("stop_type"), res.final.get("stopping_word")
 
@@ -410,7 +410,7 @@ async def test_streams_replayed_after_a_crash_end_the_same_way(
 
             async def kill(res: StreamResult, kill_at: int = kill_at, before: list[int] = before) -> None:
                 if len(res.n_decoded) == kill_at and not before:
-                    before.extend(outcome_ids(res))
+                    before.extend(res.announced_ids)
                     kill_server(sport)
 
             res = await asyncio.wait_for(run(http, url, req, kill), 120)
@@ -428,10 +428,6 @@ async def test_streams_replayed_after_a_crash_end_the_same_way(
                 assert "Paris" in got[1], got
         log = log_path.read_text()
     assert log.count("replay.sent") == len(cases), log[-3000:]
-
-
-def outcome_ids(res: StreamResult) -> list[int]:
-    return [int(t) for c in res.comments if c.startswith("tokens") for t in c.split()[1:]]
 
 
 async def test_the_safety_net_carries_gemma_past_a_full_pool(
