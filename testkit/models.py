@@ -366,6 +366,7 @@ def write_llama(path: Path, vocab: Path, spec: LlamaSpec = LlamaSpec()) -> Path:
         # model and needs a _GENERATOR_VERSION bump.
         rng = np.random.default_rng(spec.seed)
         ones = np.ones(spec.n_embd, dtype=np.float32)
+
         def matrix(name: str, data: npt.NDArray[np.float32]) -> None:
             if qtype == gguf.GGMLQuantizationType.F32:
                 w.add_tensor(name, data)
