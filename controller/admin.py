@@ -146,7 +146,10 @@ class _Admin:
         if not self.loop_healthy():
             problems.append("control loop not running")
             degraded = True
-        if self.supervisor is not None and self.supervisor.status.state is not SupervisorState.READY:
+        if self.supervisor is not None and self.supervisor.status.failure is not None:
+            problems.append(f"supervised server failed: {self.supervisor.status.failure}")
+            degraded = True
+        elif self.supervisor is not None and self.supervisor.status.state is not SupervisorState.READY:
             problems.append(f"supervised server {self.supervisor.status.state}")
             degraded = True
         if self.draining():
@@ -171,6 +174,7 @@ class _Admin:
             problems=verdict.problems,
             supervisor=self.supervisor.status if self.supervisor is not None else None,
             uptime_s=now - self.started,
+            failed_after=self.settings.supervisor.failed_after,
             above_high_s=now - self._above_high_since if self._above_high_since is not None else None,
         )
 

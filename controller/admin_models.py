@@ -24,11 +24,13 @@ __all__ = [
     "UpstreamView",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
 3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and
-``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool)."""
+``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool). 6: added the supervisor's
+``failed`` state (also ``upstream.state``), its ``early_exits``, ``failed_after`` and ``failure``, and the last
+exit's ``signal`` and ``log_tail``; the supervisor's ``pid`` is null once the server has exited."""
 
 
 class _Model(BaseModel):
@@ -38,7 +40,8 @@ class _Model(BaseModel):
 class UpstreamView(_Model):
     url: str
     state: str
-    """``up``, ``down``, or with ``--spawn`` the supervised server's ``loading``, ``restarting``, ``stopped``."""
+    """``up``, ``down``, or with ``--spawn`` the supervised server's ``loading``, ``restarting``, ``failed``,
+    ``stopped``."""
     up: bool
     last_error: str | None
     polls: int
@@ -49,19 +52,33 @@ class UpstreamView(_Model):
 
 class ExitView(_Model):
     returncode: int
+    """Negative: killed by that signal (``signal``); 127: it could not be started."""
     at_unix: float
     early: bool
+    """It exited before it was ready (``/health`` 200)."""
     uptime_s: float
+    signal: str | None = None
+    """The signal's name (``SIGSEGV``, ``SIGKILL``) when a signal killed it; None when it exited."""
+    log_tail: list[str] = []
+    """The last lines it wrote (at most 20, each cut at 500 characters); for a start that failed, kvctl's error."""
 
 
 class SupervisorView(_Model):
     state: str
+    """``stopped``, ``starting``, ``ready``, ``backoff``, ``failed`` (no more starts: ``failure`` says why) or
+    ``stopping``."""
     pid: int | None
     starts: int
     restarts: int
     ready_since_unix: float | None
     next_start_in_s: float | None
     last_exit: ExitView | None
+    early_exits: int = 0
+    """Starts in a row that died before the server was ready; reset once it is ready."""
+    failed_after: int = 0
+    """supervisor.failed_after: the early exits in a row that make the state ``failed``; 0: never."""
+    failure: str | None = None
+    """Why the state is ``failed``, in words (the message requests get meanwhile); None before."""
 
 
 class SwaPoolView(_Model):

@@ -2,7 +2,8 @@
 
 Root tasks are created by name and guarded: a root task that ends on its own is logged and stops
 the process in bounded steps (the supervisor's server first, then the loop, then the listeners),
-as does SIGTERM or SIGINT.
+as does SIGTERM or SIGINT, and, with ``supervisor.exit_on_failed``, the supervisor giving up on the server
+(``run()`` then returns EXIT_SERVER_FAILED).
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ from controller.settings import LogFormat, LogSettings, MetricsCompat, Settings,
 from controller.supervisor import Supervisor
 from controller.upstream import SlotState, UpstreamClient, UpstreamError
 
-__all__ = ["App", "configure_logging"]
+__all__ = ["EXIT_SERVER_FAILED", "App", "configure_logging"]
 
 log = structlog.get_logger("kvctl.app")
+
+EXIT_SERVER_FAILED = 3
+"""``kvctl run``'s status when the supervised server failed to start supervisor.failed_after times in a row and
+supervisor.exit_on_failed is set (LSB's "program is not running")."""
 
 
 def configure_logging(settings: LogSettings) -> None:
@@ -112,7 +117,9 @@ class App:
         self.loop = ControlLoop(self.client, settings, self.metrics, gpu=self.gpu)
         self.supervisor: Supervisor | None = None
         if settings.supervisor.spawn:
-            self.supervisor = Supervisor(settings, self.metrics, on_start=self._server_started)
+            self.supervisor = Supervisor(
+                settings, self.metrics, on_start=self._server_started, on_failed=self._server_failed
+            )
         self.admin_addresses: list[str] = []
         self.gate = AdmissionGate()
         self._proxy_cleanup: Callable[[], Awaitable[None]] | None = None
@@ -124,6 +131,15 @@ class App:
 
     def _server_started(self) -> None:
         self.loop.forget("the supervised server (re)started")
+
+    def _server_failed(self, message: str) -> None:
+        """The supervisor gave up: requests waiting for the server end now, new ones are answered at once."""
+        # the gate opens for what is still queued (conversation streams): each then fails at once in the proxy
+        self.gate.refuse_reason = message
+        self.gate.update(None)
+        if self.proxy is not None:
+            ended = self.proxy.fail(message)
+            log.error("proxy.ended_waiting_requests", count=ended, reason="server failed")
 
     def _loop_alive(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -242,6 +258,8 @@ class App:
         if self.supervisor is not None:
             supervisor = self.supervisor
             self.proxy.restarts = lambda: supervisor.status.restarts
+            if supervisor.status.failure is not None:  # gave up while the proxy was starting
+                self.proxy.fail(supervisor.status.failure)
         self.proxy.endpoint = EndpointMetrics(
             self.endpoint_sample,
             vllm_names=p.metrics_compat is MetricsCompat.VLLM,
@@ -332,9 +350,16 @@ class App:
             tasks["router check"] = asyncio.create_task(self._refuse_router(), name="router check")
             self.started.set()
             stopper = asyncio.create_task(stop.wait(), name="stop flag")
-            done, _ = await asyncio.wait([stopper, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
+            flags = [stopper]
+            if self.supervisor is not None and self.settings.supervisor.exit_on_failed:
+                flags.append(asyncio.create_task(self.supervisor.failed.wait(), name="server failed flag"))
+            done, _ = await asyncio.wait([*flags, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
+            for flag in flags:
+                flag.cancel()
             code = 0
+            if len(flags) > 1 and flags[1] in done:
+                log.error("kvctl.server_failed", reason=self.supervisor.status.failure if self.supervisor else None)
+                code = EXIT_SERVER_FAILED
             for name, task in tasks.items():
                 if task in done:
                     # root tasks run until cancelled: one that ended is a bug, and the process goes down with it

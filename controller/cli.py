@@ -24,7 +24,7 @@ import structlog
 from prometheus_client import disable_created_metrics
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from controller.admin_models import GpuDeviceView, ManualResult, PoolView, SlotView, Status
+from controller.admin_models import ExitView, GpuDeviceView, ManualResult, PoolView, SlotView, Status
 from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
 from controller.upstream import ParkMode
 
@@ -37,7 +37,8 @@ EPILOG = """exit codes:
   1  degraded (status): upstream down, loading or restarting, the control loop stalled, or the
      pool at or above HIGH for longer than admin.degraded_after_s; refused (park, resume)
   2  usage or invalid settings
-  3  kvctl not running or its admin address unreachable
+  3  kvctl not running or its admin address unreachable; (run, with supervisor.exit_on_failed) the
+     spawned server died before it was ready supervisor.failed_after times in a row
   4  unknown: an answer kvctl could not read, or the admin token was missing or wrong"""
 CLIENT_EPILOG = (
     "output: text on a terminal, the admin API's JSON as served otherwise (--text, --json choose)\n\n" + EPILOG
@@ -471,10 +472,29 @@ def _upstream_line(status: Status) -> str:
         if sup.pid is not None:
             text += f", pid {sup.pid}"
         text += f", {sup.restarts} restart" + ("" if sup.restarts == 1 else "s")
+        if sup.early_exits:
+            text += f", {sup.early_exits}" + (f" of {sup.failed_after}" if sup.failed_after else "") + " early exits"
         if sup.next_start_in_s is not None:
             text += f", next start in {_duration(sup.next_start_in_s)}"
         parts.append(f"({text})")
     return "  ".join(parts)
+
+
+def _exit_text(last: ExitView) -> str:
+    how = f"killed by {last.signal}" if last.signal is not None else f"exit code {last.returncode}"
+    return f"{how} after {_duration(last.uptime_s)}" + (", before it was ready" if last.early else "")
+
+
+def _supervisor_lines(status: Status) -> list[tuple[str, str]]:
+    """The last exit (with the server's last lines once the supervisor gave up)."""
+    sup = status.supervisor
+    if sup is None or sup.last_exit is None:
+        return []
+    lines = [("last exit", _exit_text(sup.last_exit))]
+    if sup.state == "failed":
+        tail = sup.last_exit.log_tail or ["(nothing)"]
+        lines += [("server log" if i == 0 else "", text) for i, text in enumerate(tail)]
+    return lines
 
 
 def _pool_lines(pool: PoolView | None, *, unicode: bool) -> list[tuple[str, str]]:
@@ -566,6 +586,7 @@ def render_status(status: Status, *, unicode: bool = True) -> str:
     dot = " \u00b7 " if unicode else " - "
     title = f"kvctl {status.version}{dot}{_overall(status)}{dot}up {_duration(status.uptime_s)}"
     header: list[tuple[str, str]] = [("upstream", _upstream_line(status))]
+    header += _supervisor_lines(status)
     header += _pool_lines(status.pool, unicode=unicode)
     header += _memory_lines(status)
     header += [("problem", p) for p in status.problems]

@@ -60,6 +60,9 @@ class Code(StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_ERROR = "upstream_error"
     """The server answered an error whose body kvctl could not read."""
+    SERVER_FAILED = "server_failed"
+    """The supervised server died before it was ready supervisor.failed_after times in a row and is not started
+    again: a 503 without Retry-After, since waiting does not help."""
     # the admin API
     UNAUTHORIZED = "unauthorized"
     INVALID_SLOT = "invalid_slot"

@@ -45,6 +45,12 @@ class Metrics:
         self.upstream_restarts = Counter(
             "kvctl_upstream_restarts_total", "Restarts of the supervised server", registry=r
         )
+        self.upstream_failed = Gauge(
+            "kvctl_upstream_failed",
+            "1 once the supervised server died before it was ready supervisor.failed_after times in a row: kvctl "
+            "starts it no more and answers 503 at once",
+            registry=r,
+        )
         self.polls = Counter("kvctl_polls_total", "Polls of the server's GET /kv", registry=r)
         self.poll_errors = Counter("kvctl_poll_errors_total", "Polls that failed, by kind", ["kind"], registry=r)
         self.loop_restarts = Counter(

@@ -422,6 +422,17 @@ class SupervisorSettings(_Group):
     stable_after_s: float = Field(default=60.0, gt=0)
     """Seconds a server must stay ready before its restart delay resets to the initial one."""
 
+    failed_after: int = Field(default=5, ge=0)
+    """Starts in a row that die before the server is ready (before `/health` answers 200; a run past
+    `ready_timeout_s` counts) after which the supervisor gives up: state `failed`, no more starts, requests answered
+    503 at once, and `/status` shows the last exit and the server's last log lines. A server that was ready resets
+    the count. 5: with the doubling delay, a broken model path or flag is reported within 15 s plus its loads, and a
+    passing fault (a GPU not yet freed by the server before) has had its chances. 0: never give up."""
+
+    exit_on_failed: bool = False
+    """When the supervisor gives up (`failed_after`), `kvctl run` exits with status 3 instead of staying up to report
+    it: for a service manager (systemd, Kubernetes) that should restart or alert. Needs `failed_after` of 1 or more."""
+
     log_file: Path | None = None
     """Append the server's stdout and stderr to this file; unset: inherit kvctl's."""
 
@@ -536,6 +547,10 @@ class Settings(BaseSettings):
         sup = self.supervisor
         if sup.restart_backoff_initial_s > sup.restart_backoff_max_s:
             raise _named("supervisor.restart_backoff_initial_s", "must not exceed supervisor.restart_backoff_max_s")
+        if sup.exit_on_failed and sup.failed_after == 0:
+            raise _named(
+                "supervisor.exit_on_failed", "needs supervisor.failed_after of 1 or more (0: the server never fails)"
+            )
         try:
             self.proxy.api_key_list()
         except KeyFileError as e:

@@ -27,6 +27,7 @@ __all__ = ["build_status", "upstream_state"]
 _SUPERVISED_STATE = {
     SupervisorState.STARTING: "loading",
     SupervisorState.BACKOFF: "restarting",
+    SupervisorState.FAILED: "failed",
     SupervisorState.STOPPING: "stopped",
     SupervisorState.STOPPED: "stopped",
 }
@@ -51,6 +52,7 @@ def build_status(
     problems: list[str],
     supervisor: SupervisorStatus | None,
     uptime_s: float,
+    failed_after: int = 0,
     above_high_s: float | None = None,
     now_ms: int | None = None,
 ) -> Status:
@@ -126,10 +128,18 @@ def build_status(
             ready_since_unix=supervisor.ready_since_unix,
             next_start_in_s=supervisor.next_start_in_s,
             last_exit=ExitView(
-                returncode=last.returncode, at_unix=last.at_unix, early=last.early, uptime_s=last.uptime_s
+                returncode=last.returncode,
+                at_unix=last.at_unix,
+                early=last.early,
+                uptime_s=last.uptime_s,
+                signal=last.signal,
+                log_tail=list(last.log_tail),
             )
             if last is not None
             else None,
+            early_exits=supervisor.early_exits,
+            failed_after=failed_after,
+            failure=supervisor.failure,
         )
     snapshot = state.snapshot
     room = state.gpu_room

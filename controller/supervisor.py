@@ -5,12 +5,18 @@ One task drives an explicit state machine; nothing else changes the state, so no
     STOPPED --run()--> STARTING --/health 200--> READY
     STARTING --exit, or no 200 in ready_timeout_s--> BACKOFF    (the exit is reported at once, marked early)
     READY --exit--> BACKOFF --restart delay--> STARTING         (the delay doubles, reset once READY lasted)
+    STARTING --the failed_after-th early exit in a row--> FAILED  (no more starts; READY resets the count)
     any --stop()--> STOPPING --SIGTERM, then SIGKILL after stop_timeout_s--> STOPPED
 
 The server runs in its own process group, so signals reach whatever it started too, and the group is killed
 when the server exits; the server dies with kvctl (a parent-death signal, Linux), even by kill -9. Readiness is
 ``/health`` answering 200 or the child exiting, whichever comes first. Attaching to a server
 started elsewhere needs no supervisor: the control loop's back-off covers its restarts.
+
+Each exit keeps the server's last log lines (controller.server_log) and, killed by a signal, the signal's name;
+FAILED is reported (``supervisor.failed``, ``/status``, the ``on_failed`` callback that ends the proxy's waiting
+requests) rather than looped, and stays until kvctl is restarted: a server that died before it was ready that many
+times needs a person (a model path, a flag, a driver), not a sixth try.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import IO, Any
+from typing import Any
 
 import structlog
 
 from controller.metrics import Metrics
+from controller.server_log import ServerOutput
 from controller.settings import Settings, sse_ping_interval
 from controller.upstream import UpstreamClient, UpstreamError
 
-__all__ = ["ExitInfo", "Supervisor", "SupervisorState", "SupervisorStatus"]
+__all__ = ["ExitInfo", "Supervisor", "SupervisorState", "SupervisorStatus", "describe_exit", "signal_name"]
 
 log = structlog.get_logger("kvctl.supervisor")
 
@@ -44,7 +51,19 @@ class SupervisorState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     BACKOFF = "backoff"
+    FAILED = "failed"
+    """It died before it was ready supervisor.failed_after times in a row: not started again."""
     STOPPING = "stopping"
+
+
+def signal_name(returncode: int) -> str | None:
+    """``SIGSEGV`` for a process killed by SIGSEGV (returncode -11); None for one that exited."""
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +74,18 @@ class ExitInfo:
     early: bool
     """It exited before it ever answered /health with 200."""
     uptime_s: float
+    log_tail: tuple[str, ...] = ()
+    """The last lines it wrote (controller.server_log.TAIL_LINES at most); for a start that failed, kvctl's error."""
+
+    @property
+    def signal(self) -> str | None:
+        return signal_name(self.returncode)
+
+
+def describe_exit(info: ExitInfo) -> str:
+    """``killed by SIGSEGV after 0.4 s``: an exit in words, for logs and error messages."""
+    how = f"killed by {info.signal}" if info.signal is not None else f"exit code {info.returncode}"
+    return f"{how} after {info.uptime_s:.1f} s"
 
 
 @dataclass(slots=True)
@@ -67,6 +98,10 @@ class SupervisorStatus:
     last_exit: ExitInfo | None = None
     next_start_in_s: float | None = None
     argv: list[str] = field(default_factory=list)
+    early_exits: int = 0
+    """Starts in a row that died before the server was ready; reset once it is ready."""
+    failure: str | None = None
+    """Why the supervisor gave up (FAILED), in words; None before."""
 
     @property
     def ready_since(self) -> float | None:
@@ -126,6 +161,7 @@ class Supervisor:
         metrics: Metrics,
         *,
         on_start: Callable[[], None] | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         argv = settings.supervisor.spawn
         if not argv:
@@ -135,8 +171,11 @@ class Supervisor:
         self.status = SupervisorStatus(argv=spawn_argv(settings))
         self._argv = spawn_argv(settings)
         self._on_start = on_start
+        self._on_failed = on_failed
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = asyncio.Event()
+        self.failed = asyncio.Event()
+        """Set on entering FAILED."""
         self._health = UpstreamClient(
             str(settings.upstream.url), api_key=settings.upstream.api_key, timeout_s=settings.upstream.timeout_s
         )
@@ -158,6 +197,11 @@ class Supervisor:
                 ready = await self._start_and_watch()
                 if self._stopping.is_set():
                     break
+                self.status.early_exits = 0 if ready else self.status.early_exits + 1
+                if cfg.failed_after and self.status.early_exits >= cfg.failed_after:
+                    self._fail()
+                    await self._stopping.wait()
+                    break
                 last = self.status.last_exit
                 if ready and last is not None and last.uptime_s >= cfg.stable_after_s:
                     delay = cfg.restart_backoff_initial_s
@@ -176,6 +220,30 @@ class Supervisor:
                 await self._health.close()
                 self._set(SupervisorState.STOPPED)
 
+    def _fail(self) -> None:
+        last = self.status.last_exit
+        assert last is not None
+        n = self.status.early_exits
+        times = f"{n} time" + ("" if n == 1 else "s")
+        self.status.failure = (
+            f"llama-server failed to start {times} in a row (last exit: {describe_exit(last)}); "
+            "kvctl does not start it again until kvctl itself is restarted"
+        )
+        self._set(SupervisorState.FAILED)
+        self.metrics.upstream_failed.set(1)
+        log.error(
+            "supervisor.failed",
+            early_exits=n,
+            returncode=last.returncode,
+            signal=last.signal,
+            uptime_s=round(last.uptime_s, 3),
+            log_tail=list(last.log_tail),
+            argv0=self._argv[0],
+        )
+        self.failed.set()
+        if self._on_failed is not None:
+            self._on_failed(self.status.failure)
+
     def kill_hung(self, why: str) -> bool:
         """SIGKILL a ready server that stopped answering (a hung server is as dead as a crashed one); the watch
         then restarts it. False when there is nothing to kill (not started, starting, stopping)."""
@@ -191,33 +259,39 @@ class Supervisor:
         self._stopping.set()
         await self._terminate()
 
-    def _log_target(self) -> IO[bytes] | None:
-        path = self.settings.supervisor.log_file
-        return path.open("ab") if path is not None else None
-
     async def _start_and_watch(self) -> bool:
         """Start the server, wait for it to be ready, then for it to exit; True if it was ready."""
         self._set(SupervisorState.STARTING)
         self.status.ready_since_unix = None
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # systemd's socket is kvctl's
-        out = self._log_target()
+        out = ServerOutput(self.settings.supervisor.log_file)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT if out is not None else None,
-                start_new_session=True,
-                env=env,
-                preexec_fn=functools.partial(die_with_parent, os.getpid()),  # a prctl, see die_with_parent()
-            )
-        except OSError as e:
-            log.error("supervisor.spawn_failed", argv0=self._argv[0], error=str(e))
-            self.status.last_exit = ExitInfo(returncode=127, at_unix=time.time(), early=True, uptime_s=0.0)
-            return False
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out.stdout,
+                    stderr=out.stderr,
+                    start_new_session=True,
+                    env=env,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()),  # a prctl, see die_with_parent()
+                )
+            except OSError as e:
+                log.error("supervisor.spawn_failed", argv0=self._argv[0], error=str(e))
+                self.status.last_exit = ExitInfo(
+                    returncode=127,
+                    at_unix=time.time(),
+                    early=True,
+                    uptime_s=0.0,
+                    log_tail=(f"kvctl: cannot start {self._argv[0]}: {e}",),
+                )
+                return False
+            out.spawned()
+            return await self._watch(proc, out)
         finally:
-            if out is not None:
-                out.close()
+            out.close()
+
+    async def _watch(self, proc: asyncio.subprocess.Process, out: ServerOutput) -> bool:
         self._proc = proc
         self.status.pid = proc.pid
         self.status.starts += 1
@@ -229,17 +303,21 @@ class Supervisor:
         if ready:
             self._set(SupervisorState.READY)
             self.status.ready_since_unix = time.time()
+            self.status.early_exits = 0
             log.info("supervisor.ready", pid=proc.pid, after_s=round(time.monotonic() - started, 3))
             await proc.wait()
         # the leader is gone: whatever it started (a helper, a grandchild) must not outlive it holding the GPU
         kill_group(proc.pid)
         rc = proc.returncode if proc.returncode is not None else -1
-        info = ExitInfo(returncode=rc, at_unix=time.time(), early=not ready, uptime_s=time.monotonic() - started)
+        at, uptime = time.time(), time.monotonic() - started
+        tail = await out.finish()
+        info = ExitInfo(returncode=rc, at_unix=at, early=not ready, uptime_s=uptime, log_tail=tuple(tail))
         self.status.last_exit = info
         self.status.ready_since_unix = None
+        self.status.pid = None
         if not self._stopping.is_set():
             event = "supervisor.exited_early" if info.early else "supervisor.exited"
-            log.error(event, pid=proc.pid, returncode=rc, uptime_s=round(info.uptime_s, 3))
+            log.error(event, pid=proc.pid, returncode=rc, signal=info.signal, uptime_s=round(info.uptime_s, 3))
         return ready
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:

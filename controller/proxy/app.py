@@ -145,6 +145,7 @@ STREAM_ERROR_STAGES = (
     "upstream_disconnected",
     "client_stalled",
     "shutting_down",
+    "server_failed",
 )
 
 
@@ -395,6 +396,8 @@ class Proxy:
         self.completion_ids = Owners()  # a replayed stream's id, as its client knows it -> the continuation's
         # the supervisor's restart count when kvctl spawned the server: a hung server's streams wait for its restart
         self.restarts: Callable[[], int] | None = None
+        self.failed: str | None = None
+        """Why the spawned server is not coming back (the supervisor gave up, see fail()); None while it may."""
         self.draining = False
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._orphans: set[asyncio.Future[None]] = set()  # conversation requests whose client left while queued
@@ -439,6 +442,23 @@ class Proxy:
         for t in rest:
             t.cancel()
         return len(left)
+
+    def fail(self, message: str) -> int:
+        """The supervisor gave up on the server: every request that needs it is answered at once with ``message``
+        (503, no Retry-After), and those already waiting (queued, waiting for a response or for a restart to replay
+        on) end now; returns how many ended."""
+        self.failed = message
+        waiting = [*self.inflight.values(), *self.relays]
+        for entry in waiting:
+            entry.end("failed")
+        return len(waiting)
+
+    def _retry_after(self, code: str) -> int | None:
+        return None if code == Code.SERVER_FAILED else self.config.retry_after_s
+
+    async def failed_error(self, request: web.Request) -> web.Response:
+        assert self.failed is not None
+        return await self.kvctl_error(request, 503, self.failed, Code.SERVER_FAILED)
 
     def end_waiting(self, reason: str) -> int:
         """End every request still waiting for the server's response to start (the server stopped answering)."""
@@ -640,6 +660,8 @@ class Proxy:
                 try:
                     answer = await self.server_check.check(request.headers)
                 except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                    if self.failed is not None:
+                        return await self.failed_error(request), None
                     return await self.kvctl_error(
                         request,
                         503,
@@ -662,6 +684,8 @@ class Proxy:
             return await self.kvctl_error(
                 request, 503, "kvctl is shutting down", Code.SHUTTING_DOWN, self.config.retry_after_s
             ), ident
+        if self.failed is not None:
+            return await self.failed_error(request), ident
         if route is not None and route.kind is Kind.PRIVATE and not self.config.expose_private_routes:
             return await self.kvctl_error(
                 request, 404, f"no route {request.method} {path} on the public listener", Code.NOT_FOUND
@@ -922,7 +946,7 @@ class Proxy:
             self.count(request.path, 503)
             await self.write(request, early, error_event(route, 503, message, code))
             return early
-        return await self.kvctl_error(request, 503, message, code, self.config.retry_after_s)
+        return await self.kvctl_error(request, 503, message, code, self._retry_after(code))
 
     async def wait_for_admission(
         self, request: web.Request, stream: bool, cells: int, route: Route, entry: Inflight, priority: Priority
@@ -1066,13 +1090,17 @@ class Proxy:
         except UpstreamEnded as e:
             return await self.ended_before_start(request, route, prepared, str(e))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            if entry.ended.done():  # kvctl ended it while it waited to be sent again (the server failed)
+                return await self.ended_before_start(request, route, prepared, entry.ended.result())
             self.metrics.stream_errors.labels(stage="connect").inc()
             log.warning("upstream.unreachable", request_id=request_id, error=str(e))
-            message = f"llama-server is unreachable: {e}"
+            message, code = f"llama-server is unreachable: {e}", Code.UPSTREAM_UNAVAILABLE
+            if self.failed is not None:
+                message, code = self.failed, Code.SERVER_FAILED
             if prepared is not None:
-                await self.write(request, prepared, error_event(route, 503, message, Code.UPSTREAM_UNAVAILABLE))
+                await self.write(request, prepared, error_event(route, 503, message, code))
                 return prepared
-            return await self.kvctl_error(request, 503, message, Code.UPSTREAM_UNAVAILABLE, self.config.retry_after_s)
+            return await self.kvctl_error(request, 503, message, code, self._retry_after(code))
         entry.upstream = upstream
         entry.state = "streaming"  # the response has started: from here the read timeout applies
         try:
@@ -1132,11 +1160,13 @@ class Proxy:
         if prepared is not None:
             await self.write(request, prepared, error_event(route, 503, message, code))
             return prepared
-        return await self.kvctl_error(request, 503, message, code, self.config.retry_after_s)
+        return await self.kvctl_error(request, 503, message, code, self._retry_after(code))
 
     def end_message(self, reason: str) -> tuple[str, str]:
         if reason == "shutdown":
             return "kvctl is shutting down; the request was ended", Code.SHUTTING_DOWN
+        if reason == "failed":
+            return self.failed or "llama-server failed to start", Code.SERVER_FAILED
         return (
             f"llama-server has not answered for {self.config.upstream_read_timeout_s:g} s; the request was ended",
             Code.UPSTREAM_TIMEOUT,
@@ -1294,6 +1324,8 @@ class Proxy:
                         message, code = self.end_message(entry.ended.result())
                     else:
                         message, code = f"llama-server went away mid-stream: {ended}", Code.UPSTREAM_DISCONNECTED
+                    if code == Code.SERVER_FAILED:
+                        status = 503
                     self.metrics.stream_errors.labels(stage=code).inc()
                     log.warning("stream.ended", request_id=request_id, reason=code, error=ended)
                     if held:
@@ -1447,7 +1479,7 @@ class Proxy:
             if resp is not None and time.monotonic() >= next_beat:
                 await self.heartbeat(request, resp, "server restarting")
                 next_beat = time.monotonic() + self.config.heartbeat_s
-            await asyncio.sleep(0.25)
+            await asyncio.wait({entry.ended}, timeout=0.25)  # kvctl ending it (the server failed) ends this at once
         return False
 
     def _record_completion_id(self, event: bytes, owner: str) -> None:

@@ -45,6 +45,19 @@ def test_precedence_flags_then_environment_then_file(tmp_path: Path, monkeypatch
     assert s.policy.low == 0.6
 
 
+def test_the_supervisor_s_give_up_settings_from_each_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = load_settings()
+    assert (s.supervisor.failed_after, s.supervisor.exit_on_failed) == (5, False)
+    cfg = tmp_path / "kvctl.toml"
+    cfg.write_text("[supervisor]\nfailed_after = 3\nexit_on_failed = true\n")
+    s = load_settings(cfg)
+    assert (s.supervisor.failed_after, s.supervisor.exit_on_failed) == (3, True)
+    monkeypatch.setenv("KVCTL_SUPERVISOR__FAILED_AFTER", "0")
+    monkeypatch.setenv("KVCTL_SUPERVISOR__EXIT_ON_FAILED", "false")
+    s = load_settings(cfg)
+    assert (s.supervisor.failed_after, s.supervisor.exit_on_failed) == (0, False), "0: never give up"
+
+
 def test_the_api_key_is_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCTL_UPSTREAM__API_KEY", "s3cret-key")
     s = load_settings()
@@ -77,6 +90,13 @@ INVALID = [
     ({"upstream": {"lease_s": 2}}, "loop.backoff_max_s", "under half the lease"),
     ({"supervisor": {"spawn": []}}, "supervisor.spawn", "empty"),
     ({"supervisor": {"stop_timeout_s": -1}}, "supervisor.stop_timeout_s", "greater than 0"),
+    ({"supervisor": {"failed_after": -1}}, "supervisor.failed_after", "greater than or equal to 0"),
+    ({"supervisor": {"failed_after": "often"}}, "supervisor.failed_after", "valid integer"),
+    (
+        {"supervisor": {"exit_on_failed": True, "failed_after": 0}},
+        "supervisor.exit_on_failed",
+        "needs supervisor.failed_after of 1 or more",
+    ),
     ({"log": {"level": "loud"}}, "log.level", "'debug'"),
 ]
 

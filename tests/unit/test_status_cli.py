@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controller.admin_models import (
+    ExitView,
     GpuDeviceView,
     LoopView,
     PoolView,
@@ -244,6 +245,80 @@ def test_degraded_view() -> None:
         "supervised server backoff",
     ]
     assert text.splitlines()[-1] == "no slots (upstream down)"
+
+
+def failed() -> Status:
+    down = degraded()
+    assert down.supervisor is not None
+    return down.model_copy(
+        update={
+            "problems": ["supervised server failed: llama-server failed to start 5 times in a row (...)"],
+            "upstream": down.upstream.model_copy(update={"state": "failed"}),
+            "supervisor": down.supervisor.model_copy(
+                update={
+                    "state": "failed",
+                    "starts": 5,
+                    "restarts": 4,
+                    "next_start_in_s": None,
+                    "early_exits": 5,
+                    "failed_after": 5,
+                    "failure": "llama-server failed to start 5 times in a row (...)",
+                    "last_exit": ExitView(
+                        returncode=-11,
+                        at_unix=1.0,
+                        early=True,
+                        uptime_s=2.5,
+                        signal="SIGSEGV",
+                        log_tail=["llama_model_load: loading model", "ggml_cuda_init: failed"],
+                    ),
+                }
+            ),
+        }
+    )
+
+
+def test_failed_view_shows_the_last_exit_and_the_server_s_last_lines() -> None:
+    text = render_status(failed())
+    assert text.splitlines()[0] == "kvctl 0.1.0 · degraded · up 2h 03m"
+    upstream = line(text, "upstream")
+    assert upstream.split()[1] == "failed"
+    assert "(supervised: failed, 4 restarts, 5 of 5 early exits)" in upstream
+    assert line(text, "last exit").endswith("killed by SIGSEGV after 2.5 s, before it was ready")
+    lines = text.splitlines()
+    at = lines.index(line(text, "server log"))
+    assert lines[at].endswith("  llama_model_load: loading model")
+    assert lines[at + 1].strip() == "ggml_cuda_init: failed" and lines[at + 1].index("ggml") == lines[at].index("llama")
+    assert line(text, "problem").endswith("failed to start 5 times in a row (...)")
+
+
+def test_any_last_exit_is_shown_with_its_signal_or_code_but_the_log_only_once_failed() -> None:
+    down = degraded()
+    assert down.supervisor is not None
+    sup = down.supervisor
+
+    def after(last: ExitView) -> str:
+        return render_status(down.model_copy(update={"supervisor": sup.model_copy(update={"last_exit": last})}))
+
+    killed = ExitView(returncode=-9, at_unix=1.0, early=False, uptime_s=3700.0, signal="SIGKILL", log_tail=["bye"])
+    text = after(killed)
+    assert line(text, "last exit").endswith("killed by SIGKILL after 1h 01m")
+    assert "server log" not in text and "bye" not in text
+    exited = ExitView(returncode=1, at_unix=1.0, early=True, uptime_s=0.5)
+    text = after(exited)
+    assert line(text, "last exit").endswith("exit code 1 after 500 ms, before it was ready")
+    assert "last exit" not in render_status(degraded()), "no exit yet"
+
+
+def test_a_status_of_schema_5_still_reads() -> None:
+    doc = failed().model_dump(mode="json")
+    for key in ("early_exits", "failed_after", "failure"):
+        del doc["supervisor"][key]
+    for key in ("signal", "log_tail"):
+        del doc["supervisor"]["last_exit"][key]
+    old = Status.model_validate(doc)
+    assert old.supervisor is not None and old.supervisor.last_exit is not None
+    assert old.supervisor.last_exit.signal is None and old.supervisor.last_exit.log_tail == []
+    assert "last exit" in render_status(old)
 
 
 def test_a_saturated_pool_is_not_ready_but_not_degraded() -> None:

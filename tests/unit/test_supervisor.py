@@ -1,4 +1,6 @@
-"""The supervisor's state machine against a fake child (a small Python server scripted by mode), on short timings.
+"""The supervisor's state machine against a fake child (a small Python server scripted by mode, or a one-line
+command that dies), on short timings; giving up (failed) as kvctl reports it: /status, the exit code of kvctl run,
+and the proxy's answers.
 
 The real server under the supervisor is tested in tests/integration/test_controller.py.
 """
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -14,20 +17,38 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
+from controller.admin_models import Status
+from controller.app import EXIT_SERVER_FAILED, App
+from controller.cli import render_status
+from controller.errors import ERROR_HEADER
 from controller.metrics import Metrics
+from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
+from controller.proxy.app import PROXY_KEY
+from controller.server_log import LINE_MAX_CHARS, Tail
 from controller.settings import Settings, load_settings
 from controller.supervisor import Supervisor, SupervisorState
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
-import http.server, subprocess, sys, threading, time
+import http.server, os, subprocess, sys, threading, time
 mode, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]  # then --sse-ping-interval N, ignored
 if mode == "crash":
     sys.exit(3)
+if mode == "alternate":  # odd starts die before they are ready, even ones are ready, then exit
+    n = int(open(out).read()) + 1 if os.path.exists(out) else 1
+    open(out, "w").write(str(n))
+    if n % 2:
+        sys.exit(5)
+    mode = "ready_then_exit:0.1"
 if mode == "grandchild":  # starts a helper in its process group, then exits
     g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     open(out, "w").write(str(g.pid))
@@ -55,9 +76,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def child_settings(tmp_path: Path, mode: str, **supervisor: float) -> Settings:
+def child_settings(tmp_path: Path, mode: str, **supervisor: Any) -> Settings:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
+    return spawn_settings([sys.executable, str(script), mode, "{port}", str(tmp_path / "out")], **supervisor)
+
+
+def spawn_settings(argv: list[str], **supervisor: Any) -> Settings:
+    """``{port}`` in argv: the free port the server's URL names (nothing listens there unless the child does)."""
     port = free_port()
     timings = {
         "restart_backoff_initial_s": 0.05,
@@ -70,15 +96,15 @@ def child_settings(tmp_path: Path, mode: str, **supervisor: float) -> Settings:
     }
     return load_settings(
         overrides={
-            "supervisor": {"spawn": [sys.executable, str(script), mode, str(port), str(tmp_path / "out")], **timings},
+            "supervisor": {"spawn": [a.replace("{port}", str(port)) for a in argv], **timings},
             "upstream": {"url": f"http://127.0.0.1:{port}", "timeout_s": 0.3},
         }
     )
 
 
 @contextlib.asynccontextmanager
-async def supervising(settings: Settings) -> AsyncIterator[Supervisor]:
-    sup = Supervisor(settings, Metrics(CollectorRegistry()))
+async def supervising(settings: Settings, metrics: Metrics | None = None) -> AsyncIterator[Supervisor]:
+    sup = Supervisor(settings, metrics or Metrics(CollectorRegistry()))
     task = asyncio.create_task(sup.run())
     try:
         yield sup
@@ -119,7 +145,7 @@ async def backoff_delays(sup: Supervisor, n: int) -> list[float]:
 
 
 async def test_a_crash_loop_backs_off_doubling_up_to_the_ceiling(tmp_path: Path) -> None:
-    async with supervising(child_settings(tmp_path, "crash")) as sup:
+    async with supervising(child_settings(tmp_path, "crash", failed_after=0)) as sup:
         delays = await backoff_delays(sup, 5)
         last = sup.status.last_exit
         assert last is not None and last.returncode == 3 and last.early
@@ -195,3 +221,220 @@ asyncio.run(main())
         kvctl.wait()
         if kvctl.stdout is not None:
             kvctl.stdout.close()
+
+
+# --- giving up: failed ---------------------------------------------------------------------------------
+
+BOOM = "import sys; print('loading the model'); print('boom', file=sys.stderr); sys.exit(7)"
+# no core file: a crash test must not fill the disk or wait for a crash reporter
+SEGV = (
+    "import os, resource, signal, sys; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); "
+    "print('loading the model', flush=True); print('ggml: bad tensor', file=sys.stderr, flush=True); "
+    "os.kill(os.getpid(), signal.SIGSEGV)"
+)
+
+
+async def test_starts_that_die_before_ready_end_in_failed_with_the_exit_and_the_tail(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    settings = spawn_settings([sys.executable, "-c", BOOM], failed_after=3)
+    with capture_logs() as logs:
+        async with supervising(settings, Metrics(registry)) as sup:
+            await until(lambda: sup.status.state is SupervisorState.FAILED)
+            assert sup.failed.is_set() and sup.status.starts == 3 and sup.status.early_exits == 3
+            await asyncio.sleep(0.5)  # past twice the longest restart delay (0.2 s)
+            assert sup.status.state is SupervisorState.FAILED and sup.status.starts == 3, "no start after failed"
+            last = sup.status.last_exit
+            assert last is not None and last.early and last.returncode == 7 and last.signal is None
+            # stdout and stderr (copied to kvctl's own, since no log file is set) are both in the tail; two pipes,
+            # so in the order kvctl read them
+            assert sorted(last.log_tail) == ["boom", "loading the model"]
+            assert sup.status.pid is None and sup.status.next_start_in_s is None
+            assert registry.get_sample_value("kvctl_upstream_failed") == 1
+            failure = sup.status.failure
+    assert failure is not None and "failed to start 3 times in a row" in failure and "exit code 7" in failure
+    failed = [e for e in logs if e["event"] == "supervisor.failed"]
+    assert len(failed) == 1
+    assert failed[0]["early_exits"] == 3 and failed[0]["returncode"] == 7 and failed[0]["signal"] is None
+    assert sorted(failed[0]["log_tail"]) == ["boom", "loading the model"] and failed[0]["log_level"] == "error"
+
+
+async def test_a_signal_is_named_and_the_tail_comes_from_the_log_file(tmp_path: Path) -> None:
+    log_file = tmp_path / "server.log"
+    log_file.write_text("a line from an earlier run\n")
+    settings = spawn_settings([sys.executable, "-c", SEGV], failed_after=2, log_file=str(log_file))
+    with capture_logs() as logs:
+        async with supervising(settings) as sup:
+            await until(lambda: sup.status.state is SupervisorState.FAILED)
+            last = sup.status.last_exit
+            assert last is not None and last.returncode == -signal.SIGSEGV and last.signal == "SIGSEGV"
+            assert last.log_tail == ("loading the model", "ggml: bad tensor"), "this run's lines only"
+            assert sup.status.failure is not None and "killed by SIGSEGV" in sup.status.failure
+    # the file is the server's as before: every run appended to it
+    assert log_file.read_text().count("ggml: bad tensor") == 2
+    assert log_file.read_text().startswith("a line from an earlier run\n")
+    early = [e for e in logs if e["event"] == "supervisor.exited_early"]
+    assert len(early) == 2 and all(e["signal"] == "SIGSEGV" for e in early)
+
+
+async def test_a_server_that_was_ready_resets_the_count(tmp_path: Path) -> None:
+    async with supervising(child_settings(tmp_path, "alternate", failed_after=2)) as sup:
+        await until(lambda: sup.status.starts >= 5)
+        assert sup.status.state is not SupervisorState.FAILED and not sup.failed.is_set()
+        assert sup.status.early_exits <= 1
+    assert sup.status.failure is None
+
+
+async def test_a_command_that_cannot_start_fails_with_kvctl_s_error(tmp_path: Path) -> None:
+    async with supervising(spawn_settings([str(tmp_path / "no-such-server")], failed_after=2)) as sup:
+        await until(lambda: sup.status.state is SupervisorState.FAILED)
+        last = sup.status.last_exit
+        assert last is not None and last.returncode == 127
+        assert len(last.log_tail) == 1 and "cannot start" in last.log_tail[0] and "No such file" in last.log_tail[0]
+
+
+def test_the_tail_keeps_the_last_lines_of_each_stream_cut_and_without_escapes() -> None:
+    tail = Tail(lines=3)
+    tail.feed(b"one\ntw", 0)
+    tail.feed(b"err", 1)  # another stream's partial line does not join this one
+    tail.feed(b"o\n\x1b[31mred\x1b[0m\r\n" + b"x" * 2000 + b"\n", 0)
+    tail.feed(b"or: out of memory", 1)
+    assert tail.lines() == ["red", "x" * (LINE_MAX_CHARS - 1) + "\u2026", "error: out of memory"]
+
+
+# --- giving up, as kvctl reports it ---------------------------------------------------------------------
+
+
+def app_settings(argv: list[str], **supervisor: Any) -> Settings:
+    base = spawn_settings(argv, **supervisor)
+    return load_settings(
+        overrides={
+            "supervisor": base.supervisor.model_dump(mode="json"),
+            "upstream": {"url": str(base.upstream.url), "timeout_s": 0.3},
+            "proxy": {"listen": f"127.0.0.1:{free_port()}"},
+            "admin": {"listen": "127.0.0.1:0"},
+            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05},
+        }
+    )
+
+
+async def test_exit_on_failed_ends_kvctl_run_with_its_code() -> None:
+    settings = app_settings([sys.executable, "-c", BOOM], failed_after=2, exit_on_failed=True)
+    with capture_logs() as logs:
+        code = await asyncio.wait_for(App(settings).run(asyncio.Event()), 10)
+    assert code == EXIT_SERVER_FAILED == 3
+    assert any(e["event"] == "kvctl.server_failed" for e in logs)
+
+
+async def test_failed_shows_in_the_status_and_new_requests_get_it_at_once(tmp_path: Path) -> None:
+    app = App(app_settings([sys.executable, "-c", SEGV], failed_after=2, log_file=str(tmp_path / "server.log")))
+    stop = asyncio.Event()
+    task = asyncio.create_task(app.run(stop))
+    try:
+        await asyncio.wait_for(app.started.wait(), 5)
+        assert app.supervisor is not None and app.proxy is not None
+        await asyncio.wait_for(app.supervisor.failed.wait(), 5)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://{app.admin_addresses[0]}/status") as r:
+                status = Status.model_validate_json(await r.read())
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            t0 = time.monotonic()
+            async with s.post(f"http://{app.settings.proxy.listen}/v1/chat/completions", json=body) as r:
+                assert r.status == 503 and time.monotonic() - t0 < 1
+                assert r.headers[ERROR_HEADER] == "server_failed" and "Retry-After" not in r.headers
+                error = (await r.json())["error"]
+        assert error["kvctl_code"] == "server_failed" and error["type"] == "unavailable_error"
+        assert error["message"].startswith("kvctl: llama-server failed to start 2 times in a row (last exit: killed")
+        sup = status.supervisor
+        assert sup is not None and sup.state == "failed" and status.upstream.state == "failed" and status.degraded
+        assert sup.early_exits == 2 and sup.failed_after == 2 and sup.pid is None
+        assert sup.last_exit is not None and sup.last_exit.signal == "SIGSEGV"
+        assert sup.last_exit.log_tail == ["loading the model", "ggml: bad tensor"]
+        failure = "supervised server failed: llama-server failed to start 2 times in a row"
+        assert any(p.startswith(failure) for p in status.problems)
+        text = render_status(status)
+        assert "supervised: failed, 1 restart, 2 of 2 early exits" in text
+        assert "last exit   killed by SIGSEGV after" in text and ", before it was ready" in text
+        assert "server log  loading the model\n            ggml: bad tensor" in text
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 10) == 0
+
+
+class Dying:
+    """A server that took a request and died before it answered; its /health says it is loading (a restart that
+    never comes up)."""
+
+    def __init__(self) -> None:
+        self.took = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.took.set()
+        assert request.transport is not None
+        request.transport.close()  # no answer: the client sees the connection end
+        return web.Response()
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": 503, "message": "Loading model"}}, status=503)
+
+
+async def test_requests_waiting_for_the_server_end_at_once_when_it_failed() -> None:
+    dying = Dying()
+    upstream = TestServer(dying.app())
+    await upstream.start_server()
+    gate = AdmissionGate()
+    config = ProxyConfig(upstream=str(upstream.make_url("")).rstrip("/"), heartbeat_s=0.2, replay_timeout_s=60)
+    app = make_proxy_app(config, gate, CollectorRegistry())
+    proxy = TestServer(app)
+    await proxy.start_server()
+    url = str(proxy.make_url("/v1/chat/completions"))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def ask() -> tuple[int, dict[str, str], dict[str, Any]]:
+                async with s.post(url, json=body) as r:
+                    return r.status, dict(r.headers), await r.json()
+
+            # one request sent and waiting for the server to come back (to be sent again), one queued
+            resent = asyncio.create_task(ask())
+            await asyncio.wait_for(dying.took.wait(), 5)
+            gate.update("the pool is full")
+            queued = asyncio.create_task(ask())
+            await until(lambda: app[PROXY_KEY].queue.queued == 1)
+            await asyncio.sleep(0.3)
+            assert not resent.done() and not queued.done(), "both wait (up to replay_timeout_s, queue_timeout_s)"
+            t0 = time.monotonic()
+            assert app[PROXY_KEY].fail("llama-server failed to start 5 times in a row") == 2
+            answers = await asyncio.wait_for(asyncio.gather(resent, queued), 2)
+            assert time.monotonic() - t0 < 0.5
+            answers.append(await ask())  # and one that comes after
+        for status, headers, doc in answers:
+            assert status == 503 and headers[ERROR_HEADER] == "server_failed" and "Retry-After" not in headers
+            assert doc["error"]["message"] == "kvctl: llama-server failed to start 5 times in a row"
+    finally:
+        await proxy.close()
+        await upstream.close()
+
+
+def test_kvctl_run_exits_3_once_the_server_failed_with_exit_on_failed() -> None:
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")},
+        "KVCTL_SUPERVISOR__FAILED_AFTER": "2",
+        "KVCTL_SUPERVISOR__EXIT_ON_FAILED": "true",
+        "KVCTL_SUPERVISOR__RESTART_BACKOFF_INITIAL_S": "0.05",
+        "KVCTL_LOG__FORMAT": "json",
+    }
+    listen = ["--upstream", f"http://127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]
+    argv = [sys.executable, "-m", "controller.cli", "run", *listen, "--spawn", "--", sys.executable, "-c", BOOM]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert '"event": "supervisor.failed"' in done.stderr and '"event": "kvctl.server_failed"' in done.stderr
+    assert "boom" in done.stderr, "the server's stderr still reaches kvctl's"
