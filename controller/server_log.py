@@ -147,8 +147,9 @@ class ServerOutput:
         try:
             while chunk := await reader.read(_COPY_CHUNK):
                 self._tail.feed(chunk, stream)
-                # kvctl's own stdout and stderr, written as kvctl writes its log lines: at once
-                writable = writable and _write_all(own, chunk)
+                # kvctl's own stdout and stderr, written off the event loop: a reader that falls behind (a full
+                # pipe) slows the server's writes, as it did before kvctl relayed them, never kvctl's proxy
+                writable = writable and await asyncio.to_thread(_write_all, own, chunk)
         finally:
             transport.close()
 

@@ -8,6 +8,7 @@ each fault and what a user sees.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ from testkit.llama import StreamResult, free_port, get_json, parse_metrics, serv
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
 from tests.integration.conftest import ServerFactory
 from tests.integration.faults import (
+    ROOT,
     KvctlProcess,
     Outcome,
     assert_complete,
@@ -349,6 +351,76 @@ async def test_without_replay_the_server_killed_mid_stream_is_restarted_and_ever
     delays = [e["in_s"] for e in logs if e["event"] == "supervisor.restart_scheduled"]
     assert delays[:2] == [0.5, 1.0], delays
     assert sum(1 for e in logs if e["event"] == "loop.forget") >= 2
+
+
+async def test_a_real_server_that_cannot_load_its_model_ends_in_failed_in_its_own_words(
+    llama_server_bin: Path, tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """The issue-32 crash loop, with the real server: ``kvctl run --spawn`` on a model file cut short. kvctl stops
+    after supervisor.failed_after early deaths, shows the server's own last lines (relayed to kvctl's output too,
+    no log file), an OpenAI client gets server_failed at once; with exit_on_failed kvctl exits 3."""
+    from openai import APIStatusError, AsyncOpenAI
+
+    broken = tmp_path / "cut-short.gguf"
+    with tiny_model.open("rb") as whole, broken.open("wb") as cut:
+        cut.write(whole.read(64 * 1024))
+    port, pport, aport = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-m", "controller.cli", "run", "--upstream", f"http://127.0.0.1:{port}"]
+    argv += ["--listen", f"127.0.0.1:{pport}", "--admin", f"127.0.0.1:{aport}"]
+    argv += ["--spawn", "--", *server_argv(llama_server_bin, broken, port)]
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")},
+        "KVCTL_SUPERVISOR__FAILED_AFTER": "2",
+        "KVCTL_SUPERVISOR__RESTART_BACKOFF_INITIAL_S": "0.1",
+        "KVCTL_LOG__FORMAT": "json",
+    }
+    out_path = tmp_path / "kvctl.out"
+    with out_path.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.returncode is None and time.monotonic() < deadline, out_path.read_text(errors="replace")
+            with contextlib.suppress(aiohttp.ClientError):
+                status = await get_json(http, f"http://127.0.0.1:{aport}/status")
+                if status["upstream"]["state"] == "failed":
+                    break
+            await asyncio.sleep(0.1)
+        sup = status["supervisor"]
+        assert sup["state"] == "failed" and sup["early_exits"] == 2 and sup["pid"] is None, sup
+        last = sup["last_exit"]
+        assert last["early"] and last["returncode"] != 0 and last["signal"] is None, last
+        # llama.cpp's own words about the file, not a guess of kvctl's
+        assert any("failed to load model" in line for line in last["log_tail"]), last["log_tail"]
+        assert sup["failure"].startswith("llama-server failed to start 2 times in a row (last exit: exit code")
+
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{pport}/v1", api_key="unused", max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(APIStatusError) as err:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert time.monotonic() - t0 < 2, "answered at once, not after a timeout"
+        assert err.value.status_code == 503 and err.value.response.headers["X-Kvctl-Error"] == "server_failed"
+        body = err.value.body
+        assert isinstance(body, dict) and body["kvctl_code"] == "server_failed", body
+        await client.close()
+
+        code, st = await kvctl_status_cli(f"http://127.0.0.1:{aport}")
+        assert code != 0 and st["supervisor"]["state"] == "failed"
+        text = out_path.read_text(errors="replace")
+        assert "failed to load model" in text, "the server's output still reaches kvctl's"
+        assert '"event": "supervisor.failed"' in text
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0, "kvctl stops cleanly from failed"
+
+    env["KVCTL_SUPERVISOR__EXIT_ON_FAILED"] = "true"
+    done = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, env=env, cwd=ROOT
+    )
+    assert await asyncio.wait_for(done.wait(), 60) == 3
 
 
 # --- host RAM short ---------------------------------------------------------------------------------
