@@ -408,6 +408,7 @@ def test_alert_rules_query_only_exported_metrics() -> None:
             alerts[rule["alert"]] = rule
     for name in (
         "KvctlUpstreamDown",
+        "KvctlServerFailed",
         "KvctlPressureAboveHigh",
         "KvctlParkFailures",
         "KvctlParkedTooLong",
