@@ -22,9 +22,9 @@ def test_quickstart_demo_answers_and_completes_every_chat(llama_server_bin: Path
         "ADMIN_PORT": str(free_port()),
         "SERVER_PORT": str(free_port()),
         "CHATS": "4",
-        # SmolLM2 (the default model): 4 x 1500 tokens and their prompts overflow a 4096-cell pool
-        "CTX": "4096",
-        "TOKENS": "1500",
+        # SmolLM2 (the default model): 4 x 700 tokens and their prompts overflow a 2048-cell pool (143 %)
+        "CTX": "2048",
+        "TOKENS": "700",
     }
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--demo"],
