@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -116,3 +117,15 @@ def save(name: str, text: str) -> Path:
     path = RESULTS / name
     path.write_text(text)
     return path
+
+
+def cli(main: Callable[[], int | None]) -> NoReturn:
+    """Run a benchmark's main. SIGTERM (``timeout``, a CI runner's cancel) exits like Ctrl-C, through every
+    ``with``: the servers and kvctl stacks the benchmark started are stopped, not left running as orphans that
+    spin on the cores the next measurement needs."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    sys.exit(main())

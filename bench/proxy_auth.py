@@ -22,10 +22,9 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from bench.common import build, model, pct, placement, save, server, table
-from controller.proxy import ProxyConfig, make_proxy_app
-from controller.proxy.app import run_site
-from controller.proxy.auth import ApiKey
+from bench.common import build, cli, model, pct, placement, save, server, table
+from controller.keys import ApiKey
+from controller.proxy.app import ProxyConfig, make_proxy_app, run_site
 from testkit.llama import free_port
 
 SERVER_KEY = "sk-bench-server"
@@ -108,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

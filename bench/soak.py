@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ import aiohttp
 import psutil
 from prometheus_client import CollectorRegistry
 
-from bench.common import build, model, save, server, table
+from bench.common import build, cli, model, save, server, table
 from testkit.llama import NO_BYTE_TOKENS, StreamResult, free_port, stream_completion
 
 
@@ -126,8 +125,7 @@ async def run(args: argparse.Namespace) -> Tally:
         url = srv.url
         cleanup = None
         if args.via_proxy:
-            from controller.proxy import ProxyConfig, make_proxy_app
-            from controller.proxy.app import run_site
+            from controller.proxy.app import ProxyConfig, make_proxy_app, run_site
 
             port = free_port()
             cleanup = await run_site(
@@ -174,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

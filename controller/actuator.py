@@ -20,15 +20,8 @@ from controller.poller import Poller
 from controller.recorder import Recorder, action_fields
 from controller.settings import UpstreamSettings
 from controller.state import LoopState
-from controller.upstream import (
-    ParkMode,
-    ParkResult,
-    ResumeResult,
-    SlotState,
-    UpstreamApiError,
-    UpstreamError,
-    UpstreamUnavailable,
-)
+from controller.upstream.client import UpstreamApiError, UpstreamError, UpstreamUnavailable
+from controller.upstream.models import ParkMode, ParkResult, ResumeResult, SlotState
 
 __all__ = ["ASSUMED_COPY_BYTES_PER_S", "Actuator", "Outcome"]
 

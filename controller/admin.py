@@ -37,7 +37,7 @@ from controller.policy import PolicyConfig
 from controller.settings import Settings
 from controller.status import build_status
 from controller.supervisor import Supervisor, SupervisorState
-from controller.upstream import ParkMode, SlotState
+from controller.upstream.models import ParkMode, SlotState
 
 __all__ = ["Readiness", "make_admin_app"]
 

@@ -26,13 +26,14 @@ from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.policy import QueuedRequest, pressure
 from controller.probes import GpuProbe
-from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
-from controller.proxy.app import PROXY_KEY, Proxy, run_site, tls_context
+from controller.proxy.admission import AdmissionGate
+from controller.proxy.app import PROXY_KEY, Proxy, ProxyConfig, make_proxy_app, run_site, tls_context
 from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from controller.proxy.routes import predict_route_from_env
 from controller.settings import LogFormat, LogSettings, MetricsCompat, Settings, split_host_port
 from controller.supervisor import Supervisor
-from controller.upstream import SlotState, UpstreamClient, UpstreamError
+from controller.upstream.client import UpstreamClient, UpstreamError
+from controller.upstream.models import SlotState
 
 __all__ = ["EXIT_SERVER_FAILED", "App", "configure_logging"]
 

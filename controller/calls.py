@@ -16,7 +16,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from controller.state import LoopState
-from controller.upstream import UpstreamClient, UpstreamError
+from controller.upstream.client import UpstreamClient, UpstreamError
 
 __all__ = ["ServerCalls"]
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from controller.admin_models import ExitView, GpuDeviceView, ManualResult, PoolView, SlotView, Status
 from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
-from controller.upstream import ParkMode
+from controller.upstream.models import ParkMode
 
 __all__ = ["main", "render_status"]
 

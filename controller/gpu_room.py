@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.probes.gpu import GpuReading, GpuState
-from controller.upstream import KvSnapshot
+from controller.upstream.models import KvSnapshot
 
 __all__ = ["DeviceRoom", "GpuBaseline", "GpuRoom", "normalize_bus_id"]
 

@@ -41,15 +41,8 @@ from controller.probes import GpuProbe, HostMemory, read_host_memory
 from controller.recorder import Recorder
 from controller.settings import Settings
 from controller.state import LoopState
-from controller.upstream import (
-    KvSnapshot,
-    ParkMode,
-    SlotState,
-    UpstreamApiError,
-    UpstreamClient,
-    UpstreamError,
-    UpstreamUnavailable,
-)
+from controller.upstream.client import UpstreamApiError, UpstreamClient, UpstreamError, UpstreamUnavailable
+from controller.upstream.models import KvSnapshot, ParkMode, SlotState
 
 __all__ = ["ControlLoop", "LoopState"]
 

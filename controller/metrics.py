@@ -10,6 +10,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from controller.priorities import PRIORITY_CLASSES
+
 __all__ = ["Metrics", "kvctl_version"]
 
 
@@ -31,6 +33,13 @@ POLL_ERROR_KINDS = ("UpstreamUnavailable", "UpstreamApiError", "UpstreamProtocol
 """The kinds of kvctl_poll_errors_total: the client's error classes."""
 ACTION_FAILURE_STATUSES = ("none", "409", "500", "503")
 """The statuses kvctl_action_failures_total starts with (none: no answer); others appear as they happen."""
+PARK_REASONS = ("pressure", "make_room", "displace", "manual")
+"""The reasons of kvctl_parks_total (controller.policy.Reason's park reasons); with every mode and priority class
+they start at 0, so that dashboards show 0, not "no data", before the first park (tests/unit/test_metrics.py)."""
+RESUME_REASONS = ("below_low", "nothing_resident", "starvation", "manual")
+"""The reasons of kvctl_resumes_total (controller.policy.Reason's resume reasons)."""
+PARK_MODES = ("swap", "recompute")
+"""controller.upstream.models.ParkMode's values."""
 
 
 class Metrics:
@@ -99,6 +108,12 @@ class Metrics:
         for action in ("park", "resume"):
             for status in ACTION_FAILURE_STATUSES:
                 self.action_failures.labels(action=action, status=status)
+        for reason in PARK_REASONS:
+            for mode in PARK_MODES:
+                for cls in PRIORITY_CLASSES:
+                    self.parks.labels(reason=reason, mode=mode, priority_class=cls)
+        for reason in RESUME_REASONS:
+            self.resumes.labels(reason=reason)
         self.park_seconds = Histogram(
             "kvctl_park_duration_seconds", "Round trip of a park request", buckets=_ACTION_BUCKETS, registry=r
         )
@@ -109,6 +124,8 @@ class Metrics:
             buckets=_WAIT_BUCKETS,
             registry=r,
         )
+        for cls in PRIORITY_CLASSES:
+            self.restore_wait_seconds.labels(priority_class=cls)
         self.resume_seconds = Histogram(
             "kvctl_resume_duration_seconds", "Round trip of a resume request", buckets=_ACTION_BUCKETS, registry=r
         )

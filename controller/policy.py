@@ -66,6 +66,7 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import TypeAlias
 
+from controller.priorities import priority_class
 from controller.settings import MiB, PolicySettings, RestoreOrder
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState
 
@@ -90,19 +91,6 @@ __all__ = [
     "pressure",
     "priority_class",
 ]
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-"""The range of a request's priority (the server keeps it as an int32)."""
-
-
-def priority_class(priority: int, high_at: int, low_at: int) -> str:
-    """The metrics label of a priority: ``high`` at or above high_at, ``low`` at or below low_at, else ``normal``
-    (a bounded label: the raw number never is one)."""
-    if priority >= high_at:
-        return "high"
-    if priority <= low_at:
-        return "low"
-    return "normal"
 
 
 class ActionKind(StrEnum):

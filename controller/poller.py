@@ -28,7 +28,8 @@ from controller.calls import ServerCalls
 from controller.recorder import Recorder
 from controller.settings import Settings
 from controller.state import LoopState
-from controller.upstream import KvSnapshot, SlotState, UpstreamError, UpstreamUnavailable
+from controller.upstream.client import UpstreamError, UpstreamUnavailable
+from controller.upstream.models import KvSnapshot, SlotState
 
 __all__ = ["Clock", "MonotonicClock", "Poller"]
 

@@ -17,15 +17,8 @@ from controller.gpu_room import GpuRoom
 from controller.metrics import Metrics
 from controller.policy import Action, ActionKind, Decision, PolicyConfig, SkipReason, TaskHistory
 from controller.state import LoopState
-from controller.upstream import (
-    KvSnapshot,
-    ParkMode,
-    ParkResult,
-    ResumeResult,
-    SlotState,
-    UpstreamApiError,
-    UpstreamError,
-)
+from controller.upstream.client import UpstreamApiError, UpstreamError
+from controller.upstream.models import KvSnapshot, ParkMode, ParkResult, ResumeResult, SlotState
 
 __all__ = ["Recorder"]
 

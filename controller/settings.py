@@ -32,7 +32,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from controller.proxy.auth import ApiKey, KeyFileError, KeyRing, parse_key_entry, read_key_file
+from controller.keys import ApiKey, KeyFileError, KeyRing, parse_key_entry, read_key_file
+from controller.priorities import INT32_MAX, INT32_MIN
 
 __all__ = [
     "AdminSettings",
@@ -219,7 +220,7 @@ class ProxySettings(_Group):
     llm-d's objective header). Off: every request gets 0. With keys, each key's `max_priority` caps what its clients
     may ask for, and its `priority` is their default."""
 
-    objective_priorities: dict[str, Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]] = Field(default_factory=dict)
+    objective_priorities: dict[str, Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]] = Field(default_factory=dict)
     """llm-d's objective header (`x-llm-d-inference-objective`, the InferenceObjective's name) to a priority, e.g.
     `{"interactive": 10, "batch": -10}`; an objective not listed sets none."""
 

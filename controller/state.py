@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from controller.gpu_room import NO_GPU, GpuRoom
 from controller.policy import Decision, TaskHistory
 from controller.probes import GpuReading, HostMemory
-from controller.upstream import KvSnapshot
+from controller.upstream.models import KvSnapshot
 
 __all__ = ["LoopState"]
 

@@ -20,7 +20,7 @@ from controller.policy import PolicyConfig, PolicyInput, effective_priorities, p
 from controller.probes.gpu import GpuState
 from controller.state import LoopState
 from controller.supervisor import SupervisorState, SupervisorStatus
-from controller.upstream import SlotState
+from controller.upstream.models import SlotState
 
 __all__ = ["build_status", "upstream_state"]
 

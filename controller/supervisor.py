@@ -39,7 +39,7 @@ import structlog
 from controller.metrics import Metrics
 from controller.server_log import ServerOutput
 from controller.settings import Settings, sse_ping_interval
-from controller.upstream import UpstreamClient, UpstreamError
+from controller.upstream.client import UpstreamClient, UpstreamError
 
 __all__ = ["ExitInfo", "Supervisor", "SupervisorState", "SupervisorStatus", "describe_exit", "signal_name"]
 

@@ -1,15 +1,5 @@
-"""The client-facing reverse proxy: streams that survive parking, admission that protects running chats."""
+"""The client-facing reverse proxy: streams that survive parking, admission that protects running chats.
 
-from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
-from controller.proxy.app import ProxyConfig, make_proxy_app
-from controller.proxy.sse import SSEFramer
-
-__all__ = [
-    "AdmissionGate",
-    "AdmissionQueue",
-    "ProxyConfig",
-    "QueueFull",
-    "QueueTimeout",
-    "SSEFramer",
-    "make_proxy_app",
-]
+Import what you need from its modules (controller.proxy.app, .admission, .sse): this package's own import loads
+nothing, so a module that needs one piece of the proxy does not load aiohttp and the rest with it.
+"""

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from controller.priorities import INT32_MAX
+
 
 class QueueFull(Exception):
     """The admission queue is at its depth: answer 503 with Retry-After."""
@@ -165,7 +167,7 @@ class AdmissionQueue:
     def _effective(self, w: _Waiter) -> int:
         """Its priority, or, once it has waited past max_wait_s, the highest there is (the policy counts it as the
         highest priority present, so the gate lets it past any parked request)."""
-        return 2**31 - 1 if self._clock() - w.since > self.max_wait_s else w.priority
+        return INT32_MAX if self._clock() - w.since > self.max_wait_s else w.priority
 
     def _head(self) -> _Waiter | None:
         waiters = [w for w in self._waiters if not w.fut.done()]

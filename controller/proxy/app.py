@@ -38,15 +38,16 @@ from yarl import URL
 
 from controller.errors import Code, error_headers, proxy_error_object, proxy_error_response
 from controller.httputil import unsupported_expect
+from controller.keys import ApiKey, Identity, KeyRing
+from controller.priorities import PRIORITY_CLASSES, priority_class
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
-from controller.proxy.auth import PUBLIC_PATHS, UNAUTHORIZED_BODY, Answer, ApiKey, Identity, KeyRing, ServerCheck
+from controller.proxy.auth import PUBLIC_PATHS, UNAUTHORIZED_BODY, Answer, ServerCheck
 from controller.proxy.endpoint_metrics import CONTENT_TYPE, EndpointMetrics
 from controller.proxy.priority import (
     PRIORITY_HEADER,
     InvalidPriority,
     Priority,
     PriorityRules,
-    priority_label,
     resolve_priority,
 )
 from controller.proxy.replay import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
@@ -133,9 +134,6 @@ _EOF = "the server's response ended before its final event"
 
 # sends a continuation's body as the interrupted request went: its response's context and the response
 Reopen = Callable[[bytes], Awaitable[tuple[Any, aiohttp.ClientResponse]]]
-
-# the values of the priority_class label (controller.policy.priority_class)
-PRIORITY_CLASSES = ("high", "normal", "low")
 
 # the stages kvctl_proxy_stream_errors counts (kvctl's reason codes of streams it ended)
 STREAM_ERROR_STAGES = (
@@ -882,7 +880,7 @@ class Proxy:
 
     def priority_class_of(self, priority: int) -> str:
         """The priority_class label of a priority (high, normal, low): never the number itself."""
-        return priority_label(priority, self.config.priority_high_at, self.config.priority_low_at)
+        return priority_class(priority, self.config.priority_high_at, self.config.priority_low_at)
 
     def predict_refused(self, payload: dict[str, Any]) -> bool:
         """A predict request with an instance aimed at a private, conversation or control route (the server

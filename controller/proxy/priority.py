@@ -17,7 +17,8 @@ from typing import Any
 
 from multidict import MultiMapping
 
-from controller.proxy.auth import ApiKey
+from controller.keys import ApiKey
+from controller.priorities import INT32_MAX, INT32_MIN, in_int32
 
 __all__ = [
     "OBJECTIVE_HEADER",
@@ -25,8 +26,6 @@ __all__ = [
     "InvalidPriority",
     "Priority",
     "PriorityRules",
-    "int32_range",
-    "priority_label",
     "resolve_priority",
 ]
 
@@ -40,21 +39,6 @@ KEY = "key"
 DEFAULT = "default"
 
 _INTEGER = re.compile(r"[+-]?[0-9]{1,20}")  # ASCII digits only (int() takes "1_000" and other scripts' digits)
-
-
-def int32_range() -> tuple[int, int]:
-    """controller.policy's INT32_MIN, INT32_MAX. Imported when called, not with this module: settings imports
-    controller.proxy.auth, so this package loads while settings is half-initialized, and policy needs settings."""
-    from controller.policy import INT32_MAX, INT32_MIN
-
-    return INT32_MIN, INT32_MAX
-
-
-def priority_label(priority: int, high_at: int, low_at: int) -> str:
-    """controller.policy's priority_class (the metrics label: high, normal, low), imported as int32_range is."""
-    from controller.policy import priority_class
-
-    return priority_class(priority, high_at, low_at)
 
 
 class InvalidPriority(ValueError):
@@ -84,8 +68,7 @@ def _shown(value: Any) -> str:
 
 
 def _invalid(value: Any, source: str) -> InvalidPriority:
-    lo, hi = int32_range()
-    return InvalidPriority(f"priority must be an integer in [{lo}, {hi}], got {_shown(value)} ({source})")
+    return InvalidPriority(f"priority must be an integer in [{INT32_MIN}, {INT32_MAX}], got {_shown(value)} ({source})")
 
 
 def body_priority(payload: Mapping[str, Any] | None) -> int | None:
@@ -96,8 +79,7 @@ def body_priority(payload: Mapping[str, Any] | None) -> int | None:
     value = payload.get("priority")
     if value is None:
         return None
-    lo, hi = int32_range()
-    if type(value) is not int or not lo <= value <= hi:
+    if not in_int32(value):
         raise _invalid(value, BODY)
     return value
 
@@ -110,8 +92,7 @@ def header_priority(values: list[str]) -> int | None:
     if len(values) > 1:
         raise InvalidPriority(f"more than one {PRIORITY_HEADER} header")
     text = values[0].strip()
-    lo, hi = int32_range()
-    if not _INTEGER.fullmatch(text) or not lo <= int(text) <= hi:
+    if not _INTEGER.fullmatch(text) or not in_int32(int(text)):
         raise _invalid(values[0], HEADER)
     return int(text)
 

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
-from controller.proxy.app import run_site
+from controller.proxy.admission import AdmissionGate
+from controller.proxy.app import ProxyConfig, make_proxy_app, run_site
 from testkit import models
 from testkit.llama import ServerProcess, free_port
 

@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-from controller.proxy import AdmissionGate
+from controller.proxy.admission import AdmissionGate
 from controller.proxy.routes import Kind, RouteTable
 from testkit.llama import parse_metrics
 from tests.integration.conftest import ProxyFactory, ServerFactory

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import structlog
 
-from controller.proxy import AdmissionGate
+from controller.proxy.admission import AdmissionGate
 from tests.integration.conftest import ProxyFactory, ServerFactory
 from tests.integration.test_proxy import POOL
 
@@ -97,7 +97,7 @@ async def test_the_servers_key_checked_by_the_server(
 async def test_kvctls_own_keys_answer_as_the_server_does(
     start_server: ServerFactory, start_proxy: ProxyFactory, http: aiohttp.ClientSession, logs: Any
 ) -> None:
-    from controller.proxy.auth import ApiKey
+    from controller.keys import ApiKey
 
     srv = start_server(*POOL, "--api-key", SERVER_KEY)
     url = await start_proxy(srv.url, upstream_api_key=SERVER_KEY, api_keys=(ApiKey(ALICE, "alice"), ApiKey(BOB, "bob")))
@@ -121,7 +121,7 @@ async def test_kvctls_own_keys_answer_as_the_server_does(
 async def test_a_rejected_client_never_holds_a_queue_place(
     start_server: ServerFactory, start_proxy: ProxyFactory, http: aiohttp.ClientSession, mode: str
 ) -> None:
-    from controller.proxy.auth import ApiKey
+    from controller.keys import ApiKey
 
     srv = start_server(*POOL, "--api-key", SERVER_KEY)
     gate = AdmissionGate()
@@ -162,7 +162,7 @@ async def test_a_rejected_client_never_holds_a_queue_place(
 async def test_with_several_keys_conversations_belong_to_the_key_that_started_them(
     start_server: ServerFactory, start_proxy: ProxyFactory, http: aiohttp.ClientSession
 ) -> None:
-    from controller.proxy.auth import ApiKey
+    from controller.keys import ApiKey
 
     srv = start_server(*POOL)
     url = await start_proxy(srv.url, api_keys=(ApiKey(ALICE, "alice"), ApiKey(BOB, "bob")))

@@ -19,7 +19,7 @@ from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.settings import load_settings
 from controller.supervisor import Supervisor, SupervisorState
-from controller.upstream import UpstreamClient
+from controller.upstream.client import UpstreamClient
 from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,

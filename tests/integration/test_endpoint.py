@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.app import App
 from controller.proxy.endpoint_metrics import KVCTL_NAMES, VLLM_NAMES
-from controller.upstream import SlotState
+from controller.upstream.models import SlotState
 from testkit.llama import stream_completion
 from tests.integration.conftest import ServerFactory
 from tests.integration.test_stack import assert_complete, kvctl, request

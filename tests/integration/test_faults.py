@@ -32,7 +32,8 @@ from controller.policy import Decision, PolicyConfig, PolicyInput, admission, de
 from controller.probes import HostMemory
 from controller.settings import load_settings
 from controller.supervisor import SupervisorState
-from controller.upstream import KvSnapshot, UpstreamClient
+from controller.upstream.client import UpstreamClient
+from controller.upstream.models import KvSnapshot
 from testkit.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
 from tests.integration.conftest import ServerFactory

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from controller.proxy import AdmissionGate
+from controller.proxy.admission import AdmissionGate
 from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp.test_utils import TestServer
 
-from controller.upstream import UpstreamClient
+from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer
 
 

@@ -9,17 +9,8 @@ from pathlib import Path
 import pytest
 from multidict import CIMultiDict
 
-from controller.proxy.auth import (
-    UNAUTHORIZED_BODY,
-    Answer,
-    ApiKey,
-    KeyFileError,
-    KeyRing,
-    ServerCheck,
-    credential,
-    parse_key_entry,
-    read_key_file,
-)
+from controller.keys import ApiKey, KeyFileError, KeyRing, credential, parse_key_entry, read_key_file
+from controller.proxy.auth import UNAUTHORIZED_BODY, Answer, ServerCheck
 from controller.settings import SettingsError, load_settings
 
 

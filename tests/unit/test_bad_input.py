@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry
 from controller.admin import make_admin_app
 from controller.loop import ControlLoop
 from controller.metrics import Metrics
-from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
+from controller.proxy.admission import AdmissionGate
+from controller.proxy.app import ProxyConfig, make_proxy_app
 from controller.settings import load_settings
-from controller.upstream import UpstreamClient
+from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
 
 TOKEN = b"unit-token"

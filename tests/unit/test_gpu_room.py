@@ -20,7 +20,7 @@ from controller.metrics import Metrics
 from controller.probes import GpuProbe
 from controller.settings import deprecations, load_settings
 from controller.status import build_status
-from controller.upstream import UpstreamClient
+from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
 from tests.unit.test_loop import NOW, plenty, settings
 

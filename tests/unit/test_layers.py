@@ -60,3 +60,41 @@ forbidden_modules = ["aiohttp"]
     r = run(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "BROKEN" in r.stdout and "controller.proxy.app -> aiohttp" in r.stdout, r.stdout
+
+
+def test_importing_the_policy_loads_no_http_and_no_proxy() -> None:
+    """What import-linter does not see: a package's ``__init__`` runs on any import of its modules. The policy, in a
+    fresh interpreter, leaves aiohttp and every controller.proxy module out of sys.modules (the old cycle through
+    settings and proxy.auth loaded aiohttp and nine proxy modules)."""
+    program = (
+        "import sys, controller.policy, controller.settings\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'aiohttp' or m.startswith('controller.proxy')]\n"
+        "print('\\n'.join(sorted(bad)))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert r.stdout.strip() == "", f"loaded with controller.policy:\n{r.stdout}"
+
+
+def test_the_cycle_that_was_fails_the_contracts(tmp_path: Path) -> None:
+    """The contracts would have caught the old cycle: settings importing the proxy's auth module breaks one."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "controller", project / "controller")
+    shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")
+    settings = project / "controller" / "settings.py"
+    settings.write_text(settings.read_text() + "\nfrom controller.proxy.auth import ServerCheck  # noqa: E402\n")
+    text = (project / "pyproject.toml").read_text()
+    # only the runtime's contracts: the copy has no testkit, tests or bench
+    text = text.replace('root_packages = ["controller", "testkit", "tests", "bench"]', 'root_packages = ["controller"]')
+    head, *contracts = text.split("[[tool.importlinter.contracts]]")
+    kept = [
+        c for c in contracts if '"testkit"' not in c and '"tests"' not in c and 'source_modules = ["bench"]' not in c
+    ]
+    (project / "pyproject.toml").write_text("[[tool.importlinter.contracts]]".join([head, *kept]))
+    env = {**os.environ, "PYTHONPATH": str(project)}
+    r = subprocess.run(
+        [lint_imports(), "--no-cache"], cwd=project, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "controller.settings -> controller.proxy.auth" in r.stdout, r.stdout

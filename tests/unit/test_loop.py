@@ -19,7 +19,7 @@ from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.probes import HostMemory
 from controller.settings import Settings, load_settings
-from controller.upstream import UpstreamClient
+from controller.upstream.client import UpstreamClient
 from tests.fakes.clock import FakeClock
 from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
 
@@ -236,7 +236,7 @@ async def test_polls_keep_their_interval_and_a_wake_up_cuts_the_wait_short(
 
 def test_a_short_server_lease_caps_the_back_off(fake: FakeLlamaServer) -> None:
     loop = make_loop(UpstreamClient("http://127.0.0.1:1"), load_settings())
-    from controller.upstream import KvSnapshot
+    from controller.upstream.models import KvSnapshot
 
     loop.state.snapshot = KvSnapshot.model_validate(kv_body(100, lease={"held": True, "ttl_s": 2, "age_ms": 0}))
     with capture_logs() as logs:

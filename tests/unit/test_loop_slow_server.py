@@ -24,7 +24,7 @@ from controller.loop import ControlLoop
 from controller.metrics import Metrics
 from controller.proxy.app import STREAM_ERROR_STAGES, ProxyMetrics
 from controller.settings import Settings, load_settings
-from controller.upstream import UpstreamClient, UpstreamUnavailable
+from controller.upstream.client import UpstreamClient, UpstreamUnavailable
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
 from tests.unit.test_loop import NOW, park_answer, plenty, pressured, sample
 

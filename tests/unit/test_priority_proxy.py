@@ -17,9 +17,9 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.proxy import AdmissionGate, AdmissionQueue, ProxyConfig, make_proxy_app
-from controller.proxy.app import PROXY_KEY, Proxy
-from controller.proxy.auth import ApiKey
+from controller.keys import ApiKey
+from controller.proxy.admission import AdmissionGate, AdmissionQueue
+from controller.proxy.app import PROXY_KEY, Proxy, ProxyConfig, make_proxy_app
 from controller.settings import SettingsError, load_settings
 from tests.fakes.llama_server import FakeLlamaServer
 

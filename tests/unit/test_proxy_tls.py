@@ -10,8 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.proxy import ProxyConfig, make_proxy_app
-from controller.proxy.app import run_site, tls_context
+from controller.proxy.app import ProxyConfig, make_proxy_app, run_site, tls_context
 from testkit.llama import free_port
 
 

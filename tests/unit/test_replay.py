@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
-from controller.proxy.app import PROXY_KEY
+from controller.proxy.admission import AdmissionGate
+from controller.proxy.app import PROXY_KEY, ProxyConfig, make_proxy_app
 from controller.proxy.replay import ReplayMemory, Transcript
 
 

@@ -30,8 +30,8 @@ from controller.app import EXIT_SERVER_FAILED, App
 from controller.cli import render_status
 from controller.errors import ERROR_HEADER
 from controller.metrics import Metrics
-from controller.proxy import AdmissionGate, ProxyConfig, make_proxy_app
-from controller.proxy.app import PROXY_KEY
+from controller.proxy.admission import AdmissionGate
+from controller.proxy.app import PROXY_KEY, ProxyConfig, make_proxy_app
 from controller.server_log import LINE_MAX_CHARS, Tail
 from controller.settings import Settings, load_settings
 from controller.supervisor import Supervisor, SupervisorState

@@ -9,14 +9,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from pydantic import SecretStr
 
-from controller.upstream import (
-    ParkMode,
-    SlotState,
-    UpstreamApiError,
-    UpstreamClient,
-    UpstreamProtocolError,
-    UpstreamUnavailable,
-)
+from controller.upstream.client import UpstreamApiError, UpstreamClient, UpstreamProtocolError, UpstreamUnavailable
+from controller.upstream.models import ParkMode, SlotState
 from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
 
 
