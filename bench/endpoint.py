@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from bench.common import build, model, pct, placement, save, server, table
+from bench.common import build, cli, model, pct, placement, save, server, table
 from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from testkit.llama import NO_BYTE_TOKENS
 from testkit.stack import stack_admin, start_stack
@@ -179,4 +179,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli(main)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from typing import Any
 
 import aiohttp
 
-from bench.common import build, model, save, server, table
+from bench.common import build, cli, model, save, server, table
 from testkit.llama import NO_BYTE_TOKENS, StreamResult, stream_completion
 
 
@@ -88,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -21,14 +21,13 @@ import contextlib
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import aiohttp
 import psutil
 
-from bench.common import build, mean_ci, model, placement, save, server, table
+from bench.common import build, cli, mean_ci, model, placement, save, server, table
 from bench.streams import Timed, timed_stream
 from testkit.llama import NO_BYTE_TOKENS, ServerProcess
 from testkit.stack import stack_pid, start_stack
@@ -252,4 +251,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

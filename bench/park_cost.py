@@ -20,13 +20,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 
 import aiohttp
 import numpy as np
 
-from bench.common import build, model, pct, save, server, table
+from bench.common import build, cli, model, pct, save, server, table
 from testkit.llama import post_action
 
 
@@ -192,4 +191,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -32,7 +32,6 @@ import asyncio
 import itertools
 import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.common import build, model, save, server, table
+from bench.common import build, cli, model, save, server, table
 from bench.park_cost import memcpy_gbps
 from testkit.llama import post_action, sse_events
 
@@ -284,4 +283,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

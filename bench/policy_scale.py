@@ -14,11 +14,10 @@ import argparse
 import random
 import resource
 import statistics
-import sys
 import time
 from typing import Any
 
-from bench.common import pct, save, table
+from bench.common import cli, pct, save, table
 from controller.policy import PolicyConfig, PolicyInput, admission, decide
 from controller.settings import load_settings
 from controller.upstream.models import KvSnapshot
@@ -119,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from bench.common import RESULTS, save, table
+from bench.common import RESULTS, cli, save, table
 from bench.pressure import Req, workloads
 from controller.policy import (
     ActionKind,
@@ -612,4 +611,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

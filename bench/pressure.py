@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import build, model, pct, save, server, table
+from bench.common import build, cli, model, pct, save, server, table
 from bench.streams import Timed, timed_stream
 from testkit.llama import NO_BYTE_TOKENS, parse_metrics
 
@@ -285,4 +284,4 @@ def plot(rows: list[tuple[object, ...]], modes: list[str], name: str = "pressure
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import build, model, save, server, table
+from bench.common import build, cli, model, save, server, table
 from bench.exactness import first_divergence
 from testkit.llama import StreamResult, post_action, stream_completion
 
@@ -130,4 +130,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

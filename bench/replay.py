@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from typing import Any
 
 import aiohttp
 
-from bench.common import build, model, save, server, table
+from bench.common import build, cli, model, save, server, table
 from bench.exactness import first_divergence
 from testkit.llama import NO_BYTE_TOKENS, stream_completion
 
@@ -77,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)
