@@ -30,7 +30,7 @@ import pytest
 
 from testkit import models, realmodels
 from testkit.llama import StreamResult, free_port, get_json, post_action, server_argv, stream_completion
-from testkit.stack import start_stack
+from testkit.stack import stack_admin, start_stack
 from tests.integration.conftest import ProxyFactory, ServerFactory
 from tests.integration.test_replay import kill_server
 
@@ -385,11 +385,13 @@ REPLAYS = {
 
 
 async def until_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:
-    """Wait until the server behind kvctl answers /health with 200 (it loads its model after a restart)."""
+    """Wait until kvctl is ready again (its admin /readyz: its own poll found the restarted server up), not just the
+    server's /health: until kvctl's poll, which backs off while the server is down, sees it, the proxy still
+    answers 503 (what issue 34 changes)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        async with http.get(url + "/health") as resp:
+        async with http.get(stack_admin(url) + "/readyz") as resp:
             if resp.status == 200:
                 return
         assert loop.time() < deadline, f"the server behind {url} did not become ready in {timeout_s} s"
