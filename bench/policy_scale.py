@@ -18,7 +18,9 @@ import time
 from typing import Any
 
 from bench.common import cli, pct, save, table
-from controller.policy import PolicyConfig, PolicyInput, admission, decide
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.types import PolicyConfig, PolicyInput
 from controller.settings import load_settings
 from controller.upstream.models import KvSnapshot
 

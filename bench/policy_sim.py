@@ -4,7 +4,7 @@
 
 On a real server, the longest parked wait of one run moves by several percent with the machine's
 speed, and where two orders make the same decisions their waits differ by noise alone. Here the
-real ``controller.policy.decide`` and ``admission`` run on a step-exact model of the server: each
+real ``controller.policy.plan.decide`` and ``admission`` run on a step-exact model of the server: each
 decode step adds one cell per generating request, a prompt is prefilled in ``n_batch`` chunks,
 a finished request frees its cells, parks and resumes take effect at the poll that decides them,
 and the controller polls every ``--poll-steps`` steps (50 ms at ~3 ms a step). Waits are counted
@@ -34,17 +34,10 @@ from dataclasses import dataclass, field, replace
 
 from bench.common import RESULTS, cli, save, table
 from bench.pressure import Req, workloads
-from controller.policy import (
-    ActionKind,
-    PolicyConfig,
-    PolicyInput,
-    QueuedRequest,
-    Reason,
-    TaskHistory,
-    admission,
-    decide,
-    effective_priorities,
-)
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.pool import effective_priorities
+from controller.policy.types import ActionKind, PolicyConfig, PolicyInput, QueuedRequest, Reason, TaskHistory
 from controller.proxy.admission import AdmissionGate
 from controller.settings import PolicySettings, RestoreOrder
 from controller.upstream.models import KvSnapshot, SlotState

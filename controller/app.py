@@ -21,19 +21,20 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from controller.admin import make_admin_app
-from controller.loop import ControlLoop
+from controller.admin.app import make_admin_app
+from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
-from controller.policy import QueuedRequest, pressure
+from controller.policy.pool import pressure
+from controller.policy.types import QueuedRequest
 from controller.probes import GpuProbe
 from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import PROXY_KEY, Proxy, ProxyConfig, make_proxy_app, run_site, tls_context
 from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from controller.proxy.routes import predict_route_from_env
 from controller.settings import LogFormat, LogSettings, MetricsCompat, Settings, split_host_port
-from controller.supervisor import Supervisor
 from controller.upstream.client import UpstreamClient, UpstreamError
 from controller.upstream.models import SlotState
+from controller.upstream.supervisor import Supervisor
 
 __all__ = ["EXIT_SERVER_FAILED", "App", "configure_logging"]
 

@@ -34,10 +34,10 @@ POLL_ERROR_KINDS = ("UpstreamUnavailable", "UpstreamApiError", "UpstreamProtocol
 ACTION_FAILURE_STATUSES = ("none", "409", "500", "503")
 """The statuses kvctl_action_failures_total starts with (none: no answer); others appear as they happen."""
 PARK_REASONS = ("pressure", "make_room", "displace", "manual")
-"""The reasons of kvctl_parks_total (controller.policy.Reason's park reasons); with every mode and priority class
+"""The reasons of kvctl_parks_total (controller.policy.types.Reason's park reasons); with every mode and priority class
 they start at 0, so that dashboards show 0, not "no data", before the first park (tests/unit/test_metrics.py)."""
 RESUME_REASONS = ("below_low", "nothing_resident", "starvation", "manual")
-"""The reasons of kvctl_resumes_total (controller.policy.Reason's resume reasons)."""
+"""The reasons of kvctl_resumes_total (controller.policy.types.Reason's resume reasons)."""
 PARK_MODES = ("swap", "recompute")
 """controller.upstream.models.ParkMode's values."""
 

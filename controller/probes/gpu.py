@@ -1,6 +1,6 @@
 """GPU memory through NVML: the only module that touches pynvml (package nvidia-ml-py).
 
-kvctl reads it only for the devices the server says it runs on, matched by PCI bus id (controller.gpu_room).
+kvctl reads it only for the devices the server says it runs on, matched by PCI bus id (controller.loop.gpu_room).
 
 Without the bindings, the driver or a GPU, the probe reports ``absent`` and nothing else changes.
 A field a device does not support reads as None. NVML calls block, so they run in a thread.

@@ -1,4 +1,4 @@
-"""A fake clock for the control loop's cadence (controller.poller.Clock): time moves only when the loop waits."""
+"""A fake clock for the control loop's cadence (controller.loop.poller.Clock): time moves only when the loop waits."""
 
 from __future__ import annotations
 

@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.loop import ControlLoop
+from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.settings import load_settings
-from controller.supervisor import Supervisor, SupervisorState
 from controller.upstream.client import UpstreamClient
+from controller.upstream.supervisor import Supervisor, SupervisorState
 from testkit.llama import (
     NO_BYTE_TOKENS,
     StreamResult,

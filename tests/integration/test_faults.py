@@ -26,14 +26,17 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.loop import ControlLoop
+from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
-from controller.policy import Decision, PolicyConfig, PolicyInput, admission, decide, pressure
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.pool import pressure
+from controller.policy.types import Decision, PolicyConfig, PolicyInput
 from controller.probes import HostMemory
 from controller.settings import load_settings
-from controller.supervisor import SupervisorState
 from controller.upstream.client import UpstreamClient
 from controller.upstream.models import KvSnapshot
+from controller.upstream.supervisor import SupervisorState
 from testkit.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
 from tests.integration.conftest import ServerFactory
@@ -216,7 +219,7 @@ async def test_an_exception_in_the_control_loop_restarts_it_and_streams_continue
             raise RuntimeError("injected: the policy failed")
         return real(inp, cfg)
 
-    monkeypatch.setattr("controller.loop.decide", flaky)
+    monkeypatch.setattr("controller.loop.control.decide", flaky)
     with capture_logs() as logs:
         async with kvctl_app(srv.url, loop={"restart_delay_s": 0.3}) as (app, url, admin):
             results = await asyncio.gather(

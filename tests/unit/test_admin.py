@@ -15,10 +15,10 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestServer
 
-from controller.admin import Readiness
-from controller.admin_models import Status
+from controller.admin.app import Readiness
+from controller.admin.models import Status
 from controller.app import App, configure_logging
-from controller.cli import main
+from controller.cli.main import main
 from controller.settings import LogFormat, LogSettings, load_settings
 from tests.fakes.llama_server import FakeLlamaServer, error, kv_body
 
@@ -166,11 +166,14 @@ async def test_manual_park_and_resume_through_the_cli(
 
 
 def test_the_cli_reads_the_admin_api_s_models_without_importing_the_loop() -> None:
-    code = "import sys, controller.cli; print(sorted(m for m in sys.modules if m.startswith('controller')))"
+    code = "import sys, controller.cli.main; print(sorted(m for m in sys.modules if m.startswith('controller')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = set(ast.literal_eval(out))
-    assert "controller.admin_models" in loaded
-    assert not loaded & {"controller.loop", "controller.poller", "controller.actuator", "controller.status"}, loaded
+    assert "controller.admin.models" in loaded
+    assert not {m for m in loaded if m.startswith(("controller.loop.", "controller.proxy.", "controller.policy."))}, (
+        loaded
+    )
+    assert not loaded & {"controller.admin.status", "controller.admin.app", "controller.app"}, loaded
 
 
 async def test_a_manual_park_may_ask_for_a_mode(

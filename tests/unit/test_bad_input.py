@@ -14,8 +14,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from controller.admin import make_admin_app
-from controller.loop import ControlLoop
+from controller.admin.app import make_admin_app
+from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import ProxyConfig, make_proxy_app

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.admin_models import Status
-from controller.gpu_room import normalize_bus_id
-from controller.loop import ControlLoop
+from controller.admin.models import Status
+from controller.admin.status import build_status
+from controller.loop.control import ControlLoop
+from controller.loop.gpu_room import normalize_bus_id
 from controller.metrics import Metrics
 from controller.probes import GpuProbe
 from controller.settings import deprecations, load_settings
-from controller.status import build_status
 from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
 from tests.unit.test_loop import NOW, plenty, settings

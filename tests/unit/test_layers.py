@@ -6,6 +6,7 @@ root and follows every import, those inside functions too.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -98,3 +99,73 @@ def test_the_cycle_that_was_fails_the_contracts(tmp_path: Path) -> None:
     )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "controller.settings -> controller.proxy.auth" in r.stdout, r.stdout
+
+
+def import_cycles(package: str, root: Path) -> list[list[str]]:
+    """The import cycles among ``package``'s modules, lazy imports (inside functions) included and imports under
+    ``if TYPE_CHECKING:`` left out. Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, so an
+    import is an edge to each of its module's packages too, except those the importer is inside (they are being
+    initialised already)."""
+    pytest.importorskip("grimp")  # import-linter's graph builder
+    # in a fresh interpreter, so that ``package`` is the one under ``root``, not the one this process imported
+    program = (
+        "import json, sys, grimp\n"
+        f"g = grimp.build_graph({package!r}, exclude_type_checking_imports=True, cache_dir=None)\n"
+        "print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(
+        [sys.executable, "-c", program], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    imports: dict[str, list[str]] = json.loads(r.stdout)
+    edges: dict[str, set[str]] = {m: set() for m in imports}
+    for module, targets in imports.items():
+        for target in targets:
+            parts = target.split(".")
+            for n in range(1, len(parts) + 1):
+                dest = ".".join(parts[:n])
+                if dest in edges and dest != module and not module.startswith(dest + "."):
+                    edges[module].add(dest)
+    # Tarjan's strongly connected components; a component of two or more modules is a cycle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_runtime_has_no_import_cycle_lazy_or_not() -> None:
+    assert import_cycles("controller", ROOT) == []
+
+
+def test_a_lazy_import_that_closes_a_cycle_is_found(tmp_path: Path) -> None:
+    """The old cycle, closed through a function-level import: settings -> proxy.auth, proxy.app -> settings."""
+    shutil.copytree(ROOT / "controller", tmp_path / "controller")
+    settings = tmp_path / "controller" / "settings.py"
+    settings.write_text(
+        settings.read_text() + "\n\ndef _late() -> None:\n    from controller.proxy import auth  # noqa\n"
+    )
+    auth = tmp_path / "controller" / "proxy" / "auth.py"
+    auth.write_text(auth.read_text() + "\n\ndef _late2() -> None:\n    import controller.settings  # noqa\n")
+    cycles = import_cycles("controller", tmp_path)
+    assert any({"controller.settings", "controller.proxy.auth"} <= set(c) for c in cycles), cycles

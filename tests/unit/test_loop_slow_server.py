@@ -18,9 +18,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.admin_models import ManualAction
+from controller.admin.models import ManualAction
 from controller.errors import Code, KvctlError
-from controller.loop import ControlLoop
+from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.proxy.app import STREAM_ERROR_STAGES, ProxyMetrics
 from controller.settings import Settings, load_settings

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.metrics import PARK_MODES, PARK_REASONS, RESUME_REASONS, Metrics
-from controller.policy import Reason
+from controller.policy.types import Reason
 from controller.priorities import PRIORITY_CLASSES, priority_class
 from controller.upstream.models import ParkMode
 

@@ -10,7 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.policy import (
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.pool import pressure
+from controller.policy.types import (
     ActionKind,
     Decision,
     ModeReason,
@@ -19,9 +22,6 @@ from controller.policy import (
     Reason,
     SkipReason,
     TaskHistory,
-    admission,
-    decide,
-    pressure,
 )
 from controller.settings import RestoreOrder
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState

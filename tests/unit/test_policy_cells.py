@@ -15,16 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.policy import (
-    Decision,
-    PolicyConfig,
-    PolicyInput,
-    Reason,
-    SkipReason,
-    admission,
-    decide,
-    pressure,
-)
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.pool import pressure
+from controller.policy.types import Decision, PolicyConfig, PolicyInput, Reason, SkipReason
 from controller.upstream.models import KvSnapshot, SlotState
 from testkit.snapshots import S, kv
 from tests.unit.test_policy import PROPS, snapshots

@@ -7,17 +7,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.policy import (
-    ActionKind,
-    PolicyConfig,
-    PolicyInput,
-    QueuedRequest,
-    Reason,
-    SkipReason,
-    admission,
-    decide,
-    effective_priorities,
-)
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.pool import effective_priorities
+from controller.policy.types import ActionKind, PolicyConfig, PolicyInput, QueuedRequest, Reason, SkipReason
 from controller.proxy.admission import AdmissionGate
 from controller.upstream.models import ParkMode
 from testkit.snapshots import S, kv

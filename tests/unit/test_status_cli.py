@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controller.admin_models import (
+from controller.admin.models import (
     ExitView,
     GpuDeviceView,
     LoopView,
@@ -26,7 +26,9 @@ from controller.admin_models import (
     UpstreamView,
 )
 from controller.app import App, configure_logging
-from controller.cli import admin_url, main, pool_bar, render_status
+from controller.cli.client import admin_url
+from controller.cli.main import main
+from controller.cli.render import pool_bar, render_status
 from controller.settings import LogFormat, LogSettings, load_settings
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
 

@@ -25,16 +25,16 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from controller.admin_models import Status
+from controller.admin.models import Status
 from controller.app import EXIT_SERVER_FAILED, App
-from controller.cli import render_status
+from controller.cli.render import render_status
 from controller.errors import ERROR_HEADER
 from controller.metrics import Metrics
 from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import PROXY_KEY, ProxyConfig, make_proxy_app
-from controller.server_log import LINE_MAX_CHARS, Tail
 from controller.settings import Settings, load_settings
-from controller.supervisor import Supervisor, SupervisorState
+from controller.upstream.server_log import LINE_MAX_CHARS, Tail
+from controller.upstream.supervisor import Supervisor, SupervisorState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -185,7 +185,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from prometheus_client import CollectorRegistry
 from controller.metrics import Metrics
 from controller.settings import load_settings
-from controller.supervisor import Supervisor
+from controller.upstream.supervisor import Supervisor
 settings = load_settings(overrides={settings.model_dump(mode="json", include={"supervisor", "upstream"})!r})
 async def main():
     sup = Supervisor(settings, Metrics(CollectorRegistry()))

@@ -13,7 +13,7 @@ when the server exits; the server dies with kvctl (a parent-death signal, Linux)
 ``/health`` answering 200 or the child exiting, whichever comes first. Attaching to a server
 started elsewhere needs no supervisor: the control loop's back-off covers its restarts.
 
-Each exit keeps the server's last log lines (controller.server_log) and, killed by a signal, the signal's name;
+Each exit keeps the server's last log lines (controller.upstream.server_log) and, killed by a signal, the signal's name;
 FAILED is reported (``supervisor.failed``, ``/status``, the ``on_failed`` callback that ends the proxy's waiting
 requests) rather than looped, and stays until kvctl is restarted: a server that died before it was ready that many
 times needs a person (a model path, a flag, a driver), not a sixth try.
@@ -37,9 +37,9 @@ from typing import Any
 import structlog
 
 from controller.metrics import Metrics
-from controller.server_log import ServerOutput
 from controller.settings import Settings, sse_ping_interval
 from controller.upstream.client import UpstreamClient, UpstreamError
+from controller.upstream.server_log import ServerOutput
 
 __all__ = ["ExitInfo", "Supervisor", "SupervisorState", "SupervisorStatus", "describe_exit", "signal_name"]
 
@@ -75,7 +75,7 @@ class ExitInfo:
     """It exited before it ever answered /health with 200."""
     uptime_s: float
     log_tail: tuple[str, ...] = ()
-    """The last lines it wrote (controller.server_log.TAIL_LINES at most); for a start that failed, kvctl's error."""
+    """The last lines it wrote (server_log.TAIL_LINES at most); for a start that failed, kvctl's error."""
 
     @property
     def signal(self) -> str | None:

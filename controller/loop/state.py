@@ -1,13 +1,13 @@
-"""What the control loop knows (LoopState): written by its roles (controller.poller, controller.actuator,
-controller.recorder), read by the admin API, the proxy's admission and the tests."""
+"""What the control loop knows (LoopState): written by its roles (controller.loop.poller, controller.loop.actuator,
+controller.loop.recorder), read by the admin API, the proxy's admission and the tests."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from controller.gpu_room import NO_GPU, GpuRoom
-from controller.policy import Decision, TaskHistory
+from controller.loop.gpu_room import NO_GPU, GpuRoom
+from controller.policy.types import Decision, TaskHistory
 from controller.probes import GpuReading, HostMemory
 from controller.upstream.models import KvSnapshot
 

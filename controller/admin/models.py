@@ -1,6 +1,6 @@
 """The admin API's wire models: what ``GET /status`` and ``POST /slots/{id}/park|resume`` answer, which ``kvctl
 status``, ``kvctl park`` and ``kvctl resume`` read back. Data only, importing nothing of the running controller,
-so that the CLI reads them without importing the loop (controller.status builds the status from the loop's state).
+so that the CLI reads them without importing the loop (controller.admin.status builds the status from the loop's state).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ asked for it by hand (a manual park is an action with reason ``manual`` and a pi
 
 It sizes each call's timeout by its work (action_timeout_s()), makes the call, maps the server's answer or silence,
 and has the recorder record the outcome. A park or resume that fails or times out never marks the server down:
-only polls do (controller.poller). One that timed out may still complete on the server (a large copy), so the next
+only polls do (controller.loop.poller). One that timed out may still complete on the server (a large copy), so the next
 poll comes at once and waits as long as the action could have, and a manual park's pin stays only if the park
 happened (the poller reconciles it).
 """
@@ -14,12 +14,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from controller.calls import ServerCalls
-from controller.policy import Action, ActionKind, Reason
-from controller.poller import Poller
-from controller.recorder import Recorder, action_fields
+from controller.loop.calls import ServerCalls
+from controller.loop.poller import Poller
+from controller.loop.recorder import Recorder, action_fields
+from controller.loop.state import LoopState
+from controller.policy.types import Action, ActionKind, Reason
 from controller.settings import UpstreamSettings
-from controller.state import LoopState
 from controller.upstream.client import UpstreamApiError, UpstreamError, UpstreamUnavailable
 from controller.upstream.models import ParkMode, ParkResult, ResumeResult, SlotState
 

@@ -1,11 +1,11 @@
-"""Build the status (controller.admin_models.Status: what ``GET /status`` answers and ``kvctl status`` prints) from
+"""Build the status (controller.admin.models.Status: what ``GET /status`` answers and ``kvctl status`` prints) from
 the loop's and the supervisor's state. Data only; rendering is the caller's."""
 
 from __future__ import annotations
 
 import time
 
-from controller.admin_models import (
+from controller.admin.models import (
     ExitView,
     GpuDeviceView,
     LoopView,
@@ -16,11 +16,12 @@ from controller.admin_models import (
     SwaPoolView,
     UpstreamView,
 )
-from controller.policy import PolicyConfig, PolicyInput, effective_priorities, pressure
+from controller.loop.state import LoopState
+from controller.policy.pool import effective_priorities, pressure
+from controller.policy.types import PolicyConfig, PolicyInput
 from controller.probes.gpu import GpuState
-from controller.state import LoopState
-from controller.supervisor import SupervisorState, SupervisorStatus
 from controller.upstream.models import SlotState
+from controller.upstream.supervisor import SupervisorState, SupervisorStatus
 
 __all__ = ["build_status", "upstream_state"]
 

@@ -24,10 +24,10 @@ from typing import Protocol
 
 import structlog
 
-from controller.calls import ServerCalls
-from controller.recorder import Recorder
+from controller.loop.calls import ServerCalls
+from controller.loop.recorder import Recorder
+from controller.loop.state import LoopState
 from controller.settings import Settings
-from controller.state import LoopState
 from controller.upstream.client import UpstreamError, UpstreamUnavailable
 from controller.upstream.models import KvSnapshot, SlotState
 

@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import structlog
 
-from controller.gpu_room import GpuRoom
+from controller.loop.gpu_room import GpuRoom
+from controller.loop.state import LoopState
 from controller.metrics import Metrics
-from controller.policy import Action, ActionKind, Decision, PolicyConfig, SkipReason, TaskHistory
-from controller.state import LoopState
+from controller.policy.types import Action, ActionKind, Decision, PolicyConfig, SkipReason, TaskHistory
 from controller.upstream.client import UpstreamApiError, UpstreamError
 from controller.upstream.models import KvSnapshot, ParkMode, ParkResult, ResumeResult, SlotState
 

@@ -2,7 +2,7 @@
 
 | route | what |
 |---|---|
-| ``GET /status`` | the Status model (controller.status) as JSON |
+| ``GET /status`` | the Status model (controller.admin.status) as JSON |
 | ``GET /metrics`` | kvctl's own Prometheus metrics |
 | ``GET /healthz`` | liveness: the process and its control loop run (200/503) |
 | ``GET /readyz`` | readiness: upstream up and the pool not saturated, with hysteresis (200/503) |
@@ -28,16 +28,16 @@ import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from controller.admin_models import ManualAction, Status
+from controller.admin.models import ManualAction, Status
+from controller.admin.status import build_status
 from controller.errors import ORIGIN_HEADER, Code, KvctlError, admin_error_response
 from controller.httputil import unsupported_expect
-from controller.loop import ControlLoop
+from controller.loop.control import ControlLoop
 from controller.metrics import kvctl_version
-from controller.policy import PolicyConfig
+from controller.policy.types import PolicyConfig
 from controller.settings import Settings
-from controller.status import build_status
-from controller.supervisor import Supervisor, SupervisorState
 from controller.upstream.models import ParkMode, SlotState
+from controller.upstream.supervisor import Supervisor, SupervisorState
 
 __all__ = ["Readiness", "make_admin_app"]
 

@@ -1,5 +1,5 @@
-"""Calls from the control loop to the server, each made within its own timeout (controller.poller sizes a poll's,
-controller.actuator a park's or resume's).
+"""Calls from the control loop to the server, each made within its own timeout (controller.loop.poller sizes a poll's,
+controller.loop.actuator a park's or resume's).
 
 Until a call returns, the loop counts as busy, not stalled (the admin API's liveness and the systemd watchdog ask
 ControlLoop.stalled()). A call that may outlast half the server's lease keeps the lease meanwhile: ``GET /health``
@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from controller.state import LoopState
+from controller.loop.state import LoopState
 from controller.upstream.client import UpstreamClient, UpstreamError
 
 __all__ = ["ServerCalls"]

@@ -1,8 +1,8 @@
 """The control loop: poll ``GET /kv``, decide (controller.policy), act (park, resume), record.
 
-Its roles live in modules named for them: controller.poller (cadence, back-off, timeout, the server's identity),
-controller.actuator (one carry_out() for every action, the policy's and the manual ones), controller.recorder
-(state, metrics and log lines; no I/O) and controller.calls (each call within its own timeout). This module joins
+Its roles live in modules named for them: controller.loop.poller (cadence, back-off, timeout, the server's identity),
+controller.loop.actuator (one carry_out() for every action, the policy's and the manual ones), controller.loop.recorder
+(state, metrics and log lines; no I/O) and controller.loop.calls (each call within its own timeout). This module joins
 them: one task owns the loop's state; manual overrides from the admin API are queued to it, so no lock is needed.
 Every request to the server carries ``X-Park-Lease: 1`` (the client adds it): while the loop polls, the server
 leaves auto-parked requests to it. An unexpected exception is logged and the loop restarted: it never takes the
@@ -18,29 +18,21 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from controller.actuator import Actuator
-from controller.admin_models import ManualAction, ManualResult
-from controller.calls import ServerCalls
+from controller.admin.models import ManualAction, ManualResult
 from controller.errors import Code, KvctlError
-from controller.gpu_room import GpuBaseline
+from controller.loop.actuator import Actuator
+from controller.loop.calls import ServerCalls
+from controller.loop.gpu_room import GpuBaseline
+from controller.loop.poller import Clock, Poller
+from controller.loop.recorder import Recorder
+from controller.loop.state import LoopState
 from controller.metrics import Metrics
-from controller.policy import (
-    Action,
-    ActionKind,
-    Admission,
-    PolicyConfig,
-    PolicyInput,
-    QueuedRequest,
-    Reason,
-    admission,
-    decide,
-    effective_priorities,
-)
-from controller.poller import Clock, Poller
+from controller.policy.admission import admission
+from controller.policy.plan import decide
+from controller.policy.pool import effective_priorities
+from controller.policy.types import Action, ActionKind, Admission, PolicyConfig, PolicyInput, QueuedRequest, Reason
 from controller.probes import GpuProbe, HostMemory, read_host_memory
-from controller.recorder import Recorder
 from controller.settings import Settings
-from controller.state import LoopState
 from controller.upstream.client import UpstreamApiError, UpstreamClient, UpstreamError, UpstreamUnavailable
 from controller.upstream.models import KvSnapshot, ParkMode, SlotState
 

@@ -1,0 +1,7 @@
+"""``python -m controller.cli``: the ``kvctl`` command."""
+
+import sys
+
+from controller.cli.main import main
+
+sys.exit(main())
