@@ -156,7 +156,7 @@ def test_the_wheel_is_the_runtime_and_runs_the_real_server_without_extras(
     files = zipfile.ZipFile(wheel).namelist()
     dist_info = next(f.split("/")[0] for f in files if f.endswith(".dist-info/METADATA"))
     assert {f.split("/")[0] for f in files} == {"controller", dist_info}, sorted(files)
-    assert "controller/cli.py" in files and "controller/proxy/app.py" in files
+    assert "controller/cli/main.py" in files and "controller/proxy/app.py" in files
     assert not [f for f in files if re.search(r"testmodels|demo\.py|/tests?/|conftest", f)], sorted(files)
     metadata = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
     assert "License-Expression: MIT" in metadata
@@ -179,6 +179,11 @@ def test_the_wheel_is_the_runtime_and_runs_the_real_server_without_extras(
     kvctl = bin_dir / "kvctl"
     r = subprocess.run([str(kvctl), "--help"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     assert r.returncode == 0 and "run" in r.stdout, r.stdout + r.stderr
+    for module in ("controller", "controller.cli"):  # python -m, the documented other way in
+        r = subprocess.run(
+            [str(python), "-m", module, "--help"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
+        )
+        assert r.returncode == 0 and "run" in r.stdout, r.stdout + r.stderr
 
     port = free_port()
     server = server_argv(llama_server_bin, tiny_model, port, "-c", "512", "-np", "1", "-kvu", "--slots")
