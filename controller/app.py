@@ -165,7 +165,7 @@ class App:
             self._hung_reported = False
             return
         if self.proxy is not None:
-            ended = self.proxy.end_waiting("timeout")
+            ended = self.proxy.end_waiting()
             if ended:
                 log.error("proxy.ended_waiting_requests", count=ended, silent_s=round(silent, 1))
         if self.supervisor is not None:
@@ -222,34 +222,7 @@ class App:
     async def _start_proxy(self) -> None:
         """The client-facing reverse proxy: relays to the upstream, asks the gate before admitting."""
         p = self.settings.proxy
-        config = ProxyConfig(
-            upstream=str(self.settings.upstream.url).rstrip("/"),
-            upstream_api_key=self.settings.upstream.api_key.get_secret_value()
-            if self.settings.upstream.api_key
-            else None,
-            heartbeat_s=p.heartbeat_s,
-            queue_grace_s=p.queue_grace_s,
-            queue_depth=p.queue_depth,
-            queue_timeout_s=p.queue_timeout_s,
-            write_timeout_s=p.write_timeout_s,
-            max_body_bytes=p.max_body_bytes,
-            connect_timeout_s=self.settings.upstream.timeout_s,
-            upstream_read_timeout_s=p.upstream_read_timeout_s,
-            drain_s=p.drain_s,
-            api_keys=tuple(p.api_key_list()),
-            expose_private_routes=p.expose_private_routes,
-            retry_after_s=p.retry_after_s,
-            reserve_cells=p.admission_reserve_cells,
-            predict_route=predict_route_from_env(),
-            client_priority=p.client_priority,
-            objective_priorities=dict(p.objective_priorities),
-            priority_max_wait_s=self.settings.policy.priority_max_wait_s,
-            priority_high_at=self.settings.policy.priority_high_at,
-            priority_low_at=self.settings.policy.priority_low_at,
-            replay_limit=p.replay_limit,
-            replay_timeout_s=p.replay_timeout_s,
-            replay_memory_bytes=p.replay_memory_mib << 20,
-        )
+        config = ProxyConfig.from_settings(self.settings, predict_route=predict_route_from_env())
         self.loop.add_poll_listener(self._update_gate)
         self.loop.add_poll_listener(self._check_hung)
         self.loop.queued = self._queued_head

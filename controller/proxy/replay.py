@@ -1,207 +1,215 @@
-"""Replay: a stream whose server died goes on in the restarted server, from the tokens it already produced.
+"""Replay: a request whose server died goes on in the restarted server.
 
-The patched server announces each streamed token's id after its event (``: tokens ID ...``, asked for with
-``X-Token-Ids: 1``) and continues a request from such ids (``continuation_tokens``, patch 0025): it evaluates the
-prompt and those tokens, takes them as generated (sampler history, length limits, usage, the text with its stop
-strings, the chat parser's state) and streams only what follows, opening no message, block or role again.
-
-What the proxy keeps of a streaming generation is a :class:`Transcript`: the request and the ids its client has
-received, within one memory budget for all of them (``proxy.replay_memory_mib``); a stream over the budget is not
-replayable. After a replay the continuation's events are spliced into the client's stream: an OpenAI stream keeps
-its first ``id`` and ``created``, a Responses stream its response and item ids.
+The stage owns the resend policy and its waiting: a request the server died under before answering is sent again
+once the server answers ``/health``; a stream it died (or, spawned, hung) under is continued from the tokens its
+client has (``controller.proxy.transcript``). While it waits, the client gets heartbeats; a result's events reach
+the client only once their token ids have come (:meth:`Replay.pass_event`), so that the client never holds a token
+the continuation would send again.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from array import array
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import asyncio
+import time
+from collections.abc import Awaitable
 from typing import Any
 
+import aiohttp
 import structlog
 
-__all__ = ["ANNOUNCE_HEADER", "OPT_OUT_HEADER", "ReplayMemory", "Transcript"]
+from controller.proxy.config import ProxyConfig
+from controller.proxy.context import End, Phase, RequestContext, ServerState, Silence
+from controller.proxy.forward import Opened, Upstream, UpstreamEnded
+from controller.proxy.framing import error_from_body
+from controller.proxy.inspection import GenerationBody, one_completion
+from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.owners import Owners
+from controller.proxy.sse import has_data
+from controller.proxy.transcript import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
+from controller.proxy.writer import Writer
+
+__all__ = ["ANNOUNCE_HEADER", "OPT_OUT_HEADER", "Replay", "ReplayMemory", "Transcript"]
 
 log = structlog.get_logger("kvctl.proxy")
 
-ANNOUNCE_HEADER = "X-Token-Ids"  # "1": the server follows each event with the ids of its tokens
-OPT_OUT_HEADER = "X-Kvctl-Replay"  # "off": a client that prefers the error event to a continuation
-ID_BYTES = 4  # an id held in array('i')
 
-# the ids a Responses stream names its response, items and calls by (resp_..., msg_..., rs_..., fc_..., call_...):
-# a continuation gets new ones, which the splice maps back to the first stream's, the n-th of a kind to the n-th
-_RESPONSES_ID = re.compile(r"^(resp|msg|rs|fc|call)_")
-_ID_KEYS = ("id", "item_id", "call_id")  # where ids stand (never in generated text)
+class Replay:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        upstream: Upstream,
+        writer: Writer,
+        metrics: ProxyMetrics,
+        state: ServerState,
+        memory: ReplayMemory,
+        completion_ids: Owners,
+    ) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.writer = writer
+        self.metrics = metrics
+        self.state = state
+        self.memory = memory
+        self.completion_ids = completion_ids
 
+    def begin(self, ctx: RequestContext, body: GenerationBody) -> None:
+        """Whether the request may be sent again, and its transcript when its stream may be continued (a client
+        can opt out with X-Kvctl-Replay: off)."""
+        on = self.config.replay_limit > 0 and ctx.request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
+        if on and body.stream and not body.conversation and not body.predict and one_completion(body.payload):
+            # the server follows each result's events with its tokens' ids: what a continuation starts from
+            assert ctx.request_id is not None
+            ctx.transcript = Transcript.start(body.route.path, body.payload, len(ctx.body), self.memory, ctx.request_id)
+            if ctx.transcript.replayable:
+                ctx.headers[ANNOUNCE_HEADER] = "1"
+        ctx.resend = on and not body.conversation
 
-def _walk_ids(doc: Any, seen: Callable[[str, str], str]) -> Any:
-    """``doc`` with each id (a Responses kind, under an id key) replaced by ``seen(kind, id)``."""
-    if isinstance(doc, dict):
-        out = {}
-        for key, value in doc.items():
-            m = _RESPONSES_ID.match(value) if key in _ID_KEYS and isinstance(value, str) else None
-            out[key] = seen(m.group(1), value) if m else _walk_ids(value, seen)
-        return out
-    if isinstance(doc, list):
-        return [_walk_ids(v, seen) for v in doc]
-    return doc
-
-
-class ReplayMemory:
-    """The bytes all transcripts may hold together: request bodies and token ids."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit = limit_bytes
-        self.used = 0
-
-    def take(self, n: int) -> bool:
-        if self.used + n > self.limit:
-            return False
-        self.used += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.used -= n
-
-
-def _data_json(event: bytes) -> Any:
-    """The JSON of an event's data line, or None (a comment, [DONE], not JSON)."""
-    for line in event.split(b"\n"):
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return None
+    async def open(self, ctx: RequestContext) -> Opened:
+        """Send the request. Sent, and the server died before it answered (not: nothing listens, which is answered
+        at once): the client has seen nothing of it, so it is sent again once the server is back."""
+        assert ctx.entry is not None
+        resends = 0
+        deadline: float | None = None
+        while True:
             try:
-                return json.loads(payload)
-            except (ValueError, RecursionError):
+                return await self.upstream.send(ctx, ctx.body)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if not ctx.resend or isinstance(e, aiohttp.ClientConnectorError) or resends >= self.config.replay_limit:
+                    raise
+                if deadline is None:
+                    deadline = time.monotonic() + self.config.replay_timeout_s
+                ctx.entry.state = Phase.REPLAYING  # not "waiting for a response" while the server restarts
+                ready = await self.wait_ready(ctx, deadline)
+                ctx.entry.state = Phase.UPSTREAM
+                if not ready:
+                    raise
+                resends += 1
+                log.warning("replay.resend", request_id=ctx.request_id, attempt=resends, error=str(e))
+
+    def replayable(self, ctx: RequestContext, end: End) -> bool:
+        """Whether a stream that ended so goes on: it has a transcript and its final event has not come; a hung
+        server's stream only once kvctl has killed and restarted the server it spawned."""
+        t = ctx.transcript
+        return (
+            t is not None
+            and t.replayable
+            and not t.done
+            and (not isinstance(end, Silence) or self.state.restarts is not None)
+        )
+
+    async def resume(self, ctx: RequestContext, end: End) -> Opened | None:
+        """The server died (or hung) under this stream: wait (heartbeating the client) for it to answer ``/health``
+        again, then send the request continued from the ids the client has. The continuation's response, or None:
+        kvctl ended the request, the server refused the continuation (``transcript.refused``), or past
+        ``replay_limit`` or ``replay_timeout_s``."""
+        transcript, entry = ctx.transcript, ctx.entry
+        assert transcript is not None and entry is not None
+        restarts = self.state.restarts
+        after_restart = restarts() if isinstance(end, Silence) and restarts is not None else None
+        if entry.ended.done():
+            return None
+        why = str(end)
+        deadline = time.monotonic() + self.config.replay_timeout_s
+        while transcript.replays < self.config.replay_limit and time.monotonic() < deadline:
+            transcript.replays += 1
+            log.warning(
+                "replay.waiting",
+                request_id=transcript.request_id,
+                attempt=transcript.replays,
+                tokens=len(transcript.ids),
+                reason=why,
+            )
+            if not await self.wait_ready(ctx, deadline, after_restart):
+                break
+            after_restart = None  # restarted once: a later death is an ordinary one
+            try:
+                cm, upstream = await self._beating(ctx, self.upstream.send(ctx, transcript.continuation()))
+            except UpstreamEnded:
                 return None
-    return None
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                why = str(e)
+                continue
+            return await self._answered(ctx, transcript, cm, upstream)
+        self.metrics.replays.labels(outcome="gave_up").inc()
+        log.warning("replay.gave_up", request_id=transcript.request_id, attempts=transcript.replays)
+        return None
 
+    async def _answered(
+        self, ctx: RequestContext, transcript: Transcript, cm: Any, upstream: aiohttp.ClientResponse
+    ) -> Opened | None:
+        """The continuation's response: its stream, or the server's refusal kept for the client."""
+        try:
+            if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                self.metrics.replays.labels(outcome="sent").inc()
+                log.info("replay.sent", request_id=transcript.request_id, tokens=len(transcript.ids))
+                cm, sent = None, cm
+                return sent, upstream
+            data = await self.upstream.read_all(upstream)
+            self.metrics.replays.labels(outcome="refused").inc()
+            log.warning(
+                "replay.refused",
+                request_id=transcript.request_id,
+                status=upstream.status,
+                body=(data or b"")[:300],
+            )
+            transcript.refused = error_from_body(ctx.route, upstream.status, data or b"")
+            return None
+        finally:
+            if cm is not None:
+                await cm.__aexit__(None, None, None)
 
-def _is_final(event: bytes, doc: Any) -> bool:
-    """The event that ends a stream in its protocol: OpenAI's [DONE], the native final chunk ("stop": true),
-    Anthropic's message_stop, Responses' response.completed; or the server's error event, which ends it too (a
-    continuation would meet the same error). ``doc``: the event's data as JSON (``_data_json``)."""
-    for line in event.split(b"\n"):
-        if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
-            return True
-        if line.startswith(b"event:") and line[6:].strip() == b"error":
-            return True
-    if not isinstance(doc, dict):
+    async def _beating(self, ctx: RequestContext, sending: Awaitable[Opened]) -> Opened:
+        """Await ``sending`` (a continuation whose response has not started: it may wait in the server's queue
+        behind the others), heartbeating the client meanwhile. Cancelled, ``send`` closes what it opened."""
+        task = asyncio.ensure_future(sending)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.heartbeat_s)
+                if done:
+                    return task.result()
+                await self.writer.heartbeat(ctx, "server restarting")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def wait_ready(self, ctx: RequestContext, deadline: float, after_restart: int | None = None) -> bool:
+        """Until the server answers ``/health`` with 200 (restarted and loaded) and, with ``after_restart``, the
+        supervisor has restarted it since; a heartbeat to a client with a response every ``heartbeat_s``; False
+        past the deadline or when kvctl ends the request."""
+        assert self.upstream.session is not None
+        entry = ctx.entry
+        if entry is None:
+            return False
+        next_beat = time.monotonic() + self.config.heartbeat_s
+        while time.monotonic() < deadline and not entry.ended.done():
+            restarts = self.state.restarts
+            restarted = after_restart is None or restarts is None or restarts() > after_restart
+            # a hung server still answers /health from its HTTP thread: wait for the new one
+            if restarted and await self.upstream.healthy():
+                return True
+            if ctx.response is not None and time.monotonic() >= next_beat:
+                await self.writer.heartbeat(ctx, "server restarting")
+                next_beat = time.monotonic() + self.config.heartbeat_s
+            await asyncio.wait({entry.ended}, timeout=0.25)  # kvctl ending it (the server failed) ends this at once
         return False
-    return (
-        doc.get("stop") is True or doc.get("type") in ("message_stop", "response.completed", "error") or "error" in doc
-    )
 
-
-@dataclass(eq=False)
-class Transcript:
-    """One streaming generation as far as its client has received it."""
-
-    route: str
-    payload: dict[str, Any]
-    memory: ReplayMemory
-    request_id: str
-    held: int = 0
-    ids: array[int] = field(default_factory=lambda: array("i"))
-    replayable: bool = True
-    done: bool = False
-    replays: int = 0
-    first_id: str | None = None
-    created: int | None = None
-    upstream_id: str | None = None  # OpenAI: the id the server gave the latest continuation
-    names: dict[str, list[str]] = field(default_factory=dict)  # Responses: each kind's ids the client knows
-    _renames: dict[str, str] = field(default_factory=dict)  # the latest continuation's ids -> the client's
-    _met: dict[str, int] = field(default_factory=dict)  # how many of each kind the latest continuation named
-    refused: bytes | None = None  # the server's answer to a continuation it refused, for the client
-
-    @classmethod
-    def start(
-        cls, route: str, payload: dict[str, Any], body_bytes: int, memory: ReplayMemory, request_id: str
-    ) -> Transcript:
-        t = cls(route, payload, memory, request_id)
-        if memory.take(body_bytes):
-            t.held = body_bytes
-        else:
-            t.drop("its request alone is over proxy.replay_memory_mib")
-        return t
-
-    def drop(self, why: str) -> None:
-        """Not replayable from here on; its memory goes back."""
-        if self.replayable:
-            log.info("replay.not_replayable", request_id=self.request_id, reason=why)
-        self.replayable = False
-        self.ids = array("i")
-        self.memory.give(self.held)
-        self.held = 0
-
-    def observe(self, event: bytes) -> None:
-        """Every event relayed to the client, in order (a continuation's after ``splice``): announced ids, the
-        end, the identity the client knows."""
-        if event.startswith(b": tokens"):
-            if self.replayable:
-                fresh = [int(t) for t in event[len(b": tokens") :].split()]
-                if self.memory.take(ID_BYTES * len(fresh)):
-                    self.held += ID_BYTES * len(fresh)
-                    self.ids.extend(fresh)
-                else:
-                    self.drop("over proxy.replay_memory_mib")
-            return
-        doc = _data_json(event)
-        if _is_final(event, doc):
-            self.done = True
-            return
-        if self.first_id is None and isinstance(doc, dict) and isinstance(doc.get("id"), str):
-            self.first_id = doc["id"]
-            created = doc.get("created")
-            self.created = created if isinstance(created, int) else None
-        _walk_ids(doc, self._know)
-
-    def _know(self, kind: str, ident: str) -> str:
-        known = self.names.setdefault(kind, [])
-        if ident not in known:
-            known.append(ident)
-        return ident
-
-    def continuation(self) -> bytes:
-        """The request again, continued from the ids the client has (after any it sent itself)."""
-        own = self.payload.get("continuation_tokens")
-        before = own if isinstance(own, list) else []
-        self._renames, self._met = {}, {}
-        return json.dumps({**self.payload, "continuation_tokens": [*before, *self.ids.tolist()]}).encode()
-
-    def _rename(self, kind: str, ident: str) -> str:
-        """A continuation's id: the client's id of the same kind at the same position (its n-th response, item or
-        call), or, past those the client knows, the continuation's own."""
-        if ident not in self._renames:
-            n = self._met.get(kind, 0)
-            self._met[kind] = n + 1
-            known = self.names.get(kind, [])
-            self._renames[ident] = known[n] if n < len(known) else ident
-        return self._renames[ident]
-
-    def splice(self, event: bytes) -> bytes:
-        """An event of a continuation as the client's stream carries it: OpenAI chunks keep the first id and
-        created, Responses events the client's response, item and call ids (each request gets new ones);
-        everything else is as the server sent it."""
-        lines = event.split(b"\n")
-        at = next((i for i, ln in enumerate(lines) if ln.startswith(b"data:")), None)
-        doc = _data_json(event) if at is not None else None
-        if at is None or not isinstance(doc, dict):
-            return event
-        renamed = _walk_ids(doc, self._rename)
-        if self.first_id is not None and isinstance(renamed.get("id"), str) and not _RESPONSES_ID.match(doc["id"]):
-            self.upstream_id = doc["id"]
-            renamed["id"] = self.first_id
-            if self.created is not None and "created" in renamed:
-                renamed["created"] = self.created
-        if renamed == doc:
-            return event
-        lines[at] = b"data: " + json.dumps(renamed, ensure_ascii=False, separators=(",", ":")).encode()
-        return b"\n".join(lines)
-
-    def release(self) -> None:
-        self.memory.give(self.held)
-        self.held = 0
+    def pass_event(self, ctx: RequestContext, event: bytes, held: list[bytes]) -> list[bytes]:
+        """The events to write now, given the next one: a replayable stream's data events wait in ``held`` until
+        the ids of their tokens (``: tokens``, which ends each result) have come; a continuation's are spliced into
+        the client's stream."""
+        transcript = ctx.transcript
+        if transcript is None or not transcript.replayable:
+            return [event]
+        if transcript.replays:
+            event = transcript.splice(event)
+            if transcript.upstream_id is not None and transcript.first_id is not None:
+                self.completion_ids.set(transcript.first_id, transcript.upstream_id)
+        transcript.observe(event)
+        if event.startswith(b": tokens") or transcript.done:
+            out = [*held, event]
+            held.clear()
+            return out
+        if has_data(event):
+            held.append(event)
+            return []
+        return [event]  # the server's comments (parked, resumed, keep-alive)

@@ -124,6 +124,7 @@ class RouteTable:
 
     def __init__(self, api_prefix: str = "", predict_route: str | None = None) -> None:
         self.api_prefix = api_prefix.rstrip("/")
+        self.predict_route = predict_route
         self._exact: dict[tuple[str, str], Route] = {}
         self._param: list[tuple[str, str, Route]] = []  # (method, prefix before the parameter, route)
         for r in ROUTES:

@@ -58,15 +58,45 @@ class SSEFramer:
         return rest
 
 
+_LINE_END = re.compile(rb"(\r\n|\n|\r)")
+
+
+def split_lines(event: bytes) -> list[bytes]:
+    """An event's lines with their ends between them (``[line, end, line, end, ..., rest]``), so that joining the
+    parts gives back the event byte for byte."""
+    return _LINE_END.split(event)
+
+
+def lines(event: bytes) -> list[bytes]:
+    """An event's lines without their ends (CRLF, LF or CR)."""
+    return split_lines(event)[::2]
+
+
+def first_data(event: bytes) -> bytes | None:
+    """What follows ``data:`` on the event's first data line, as sent; None without one."""
+    line = next((ln for ln in lines(event) if ln.startswith(b"data:")), None)
+    return line[5:] if line is not None else None
+
+
+def replace_first_data(event: bytes, line: bytes) -> bytes:
+    """The event with its first data line replaced by ``line``; every other byte, line ends included, as it was."""
+    parts = split_lines(event)
+    at = next((i for i in range(0, len(parts), 2) if parts[i].startswith(b"data:")), None)
+    if at is None:
+        return event
+    parts[at] = line
+    return b"".join(parts)
+
+
 def is_comment(event: bytes) -> bool:
     """An event made only of comment lines (heartbeats, ': parked', ': resumed')."""
-    lines = [ln for ln in re.split(rb"\r\n|\n|\r", event) if ln]
-    return bool(lines) and all(ln.startswith(b":") for ln in lines)
+    present = [ln for ln in lines(event) if ln]
+    return bool(present) and all(ln.startswith(b":") for ln in present)
 
 
 def comment_text(event: bytes) -> str:
-    return event.split(b"\n", 1)[0].lstrip(b":").strip().decode("utf-8", "replace")
+    return lines(event)[0].lstrip(b":").strip().decode("utf-8", "replace")
 
 
 def has_data(event: bytes) -> bool:
-    return any(ln.startswith(b"data:") for ln in re.split(rb"\r\n|\n|\r", event))
+    return any(ln.startswith(b"data:") for ln in lines(event))

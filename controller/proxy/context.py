@@ -1,0 +1,176 @@
+"""What one request carries through the stages, and how its stream can end.
+
+A :class:`RequestContext` is made per request by the coordinator (``proxy/app.py``) and passed to every stage, so
+that no stage takes the request's values one parameter at a time. An :class:`Inflight` entry is what kvctl can end
+from outside the request (a hung server, a shutdown, a failed server): :class:`Stop` says why. How a stream's
+response ended, seen from the relay, is an :data:`End`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from controller.keys import Identity
+from controller.proxy.routes import Kind, Route
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from controller.proxy.transcript import Transcript
+
+__all__ = [
+    "Broken",
+    "End",
+    "Inflight",
+    "Phase",
+    "RequestContext",
+    "ServerState",
+    "Silence",
+    "Stop",
+    "Tracker",
+    "Truncated",
+    "priority_var",
+    "request_id_var",
+]
+
+# what the access log line names: set by the generation path, read when the handler ends
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvctl_request_id", default=None)
+priority_var: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvctl_priority", default=None)
+
+
+class Stop(StrEnum):
+    """Why kvctl ended a request itself."""
+
+    SHUTDOWN = "shutdown"  # the drain ran out
+    FAILED = "failed"  # the supervisor gave up on the server
+    HUNG = "timeout"  # the server stopped answering before the response started
+
+
+class Phase(StrEnum):
+    QUEUED = "queued"
+    UPSTREAM = "upstream"  # sent, waiting for the response to start
+    STREAMING = "streaming"
+    REPLAYING = "replaying"  # waiting for a restarted server
+
+
+@dataclass(frozen=True, slots=True)
+class Truncated:
+    """The server's response ended (before its final event, when a transcript says so)."""
+
+    def __str__(self) -> str:
+        return "the server's response ended before its final event"
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """The connection to the server broke mid-response."""
+
+    error: str
+
+    def __str__(self) -> str:
+        return self.error
+
+
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """No byte for ``upstream_read_timeout_s``."""
+
+    def __str__(self) -> str:
+        return "timeout"
+
+
+End = Truncated | Broken | Silence
+"""How a response ended under the relay; ``str()`` of each is what the logs have always said of it."""
+
+
+@dataclass(eq=False)
+class Inflight:
+    request_id: str
+    client_request_id: str | None
+    route: str
+    t_start: float
+    state: Phase = Phase.QUEUED
+    ended: asyncio.Future[Stop] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Set (to the reason) when kvctl ends the request itself: a hung server, a shutdown."""
+    upstream: aiohttp.ClientResponse | None = None
+
+    def end(self, reason: Stop) -> None:
+        if not self.ended.done():
+            self.ended.set_result(reason)
+        if self.upstream is not None:
+            self.upstream.close()  # a pending read raises ClientConnectionError at once
+
+    @property
+    def stop(self) -> Stop | None:
+        return self.ended.result() if self.ended.done() else None
+
+
+class Tracker:
+    """The requests kvctl may end from outside: generations (by request id) and other requests still waiting for
+    the server's response to start."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[str, Inflight] = {}
+        self.relays: set[Inflight] = set()
+
+    def end(self, reason: Stop, phase: Phase | None = None) -> int:
+        """End every tracked request (in ``phase``, when given); returns how many."""
+        entries = [e for e in (*self.inflight.values(), *self.relays) if phase is None or e.state == phase]
+        for entry in entries:
+            entry.end(reason)
+        return len(entries)
+
+
+@dataclass
+class ServerState:
+    """What the coordinator knows of the server beyond one request, shared by the stages."""
+
+    failed: str | None = None
+    """Why the spawned server is not coming back (the supervisor gave up); None while it may."""
+    restarts: Callable[[], int] | None = None
+    """The supervisor's restart count when kvctl spawned the server: a hung server's streams wait for its restart."""
+    draining: bool = False
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """One request on its way through the stages."""
+
+    request: web.Request
+    route: Route | None
+    ident: Identity | None = None
+    request_id: str | None = None  # kvctl's, on a generation (the server echoes it in /slots)
+    client_request_id: str | None = None  # the client's X-Request-Id, given back in its place
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)  # for the server
+    owner: str | None = None  # the key whose completion ids this stream's are (several keys only)
+    lookup_owner: str | None = None  # POST /v1/streams/lookup: only this key's conversations
+    query: str | None = None  # the query string to send instead of the client's
+    raw: bool = False  # relayed byte for byte, nothing of kvctl's own (a conversation stream)
+    asset_probe: bool = False  # kvctl's keys and none given: the server's 404 becomes a 401
+    resend: bool = False  # sent again when the server died before answering (replay is on)
+    entry: Inflight | None = None  # what kvctl can end from outside
+    response: web.StreamResponse | None = None  # the client's, once prepared (early: by admission's heartbeats)
+    transcript: Transcript | None = None  # what a replay continues from
+
+    @property
+    def label(self) -> str:
+        """The route label of kvctl_proxy_requests: the path of a known route, else "other"."""
+        return self.request.path if self.route is not None else "other"
+
+    @property
+    def generation(self) -> bool:
+        return self.route is not None and self.route.kind is Kind.GENERATION
+
+    def track(self, route: str, state: Phase = Phase.QUEUED) -> Inflight:
+        """A new entry for this request, started now."""
+        self.entry = Inflight(self.request_id or "", self.client_request_id, route, time.monotonic(), state)
+        return self.entry
