@@ -11,20 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
 from controller.keys import Identity
 from controller.proxy.routes import Kind, Route
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from controller.proxy.transcript import Transcript
+from controller.proxy.transcript import Transcript
 
 __all__ = [
     "Broken",
@@ -55,6 +51,8 @@ class Stop(StrEnum):
 
 
 class Phase(StrEnum):
+    """Where a tracked request is: what kvctl may end it for (end_waiting ends those sent and not answered)."""
+
     QUEUED = "queued"
     UPSTREAM = "upstream"  # sent, waiting for the response to start
     STREAMING = "streaming"
@@ -93,6 +91,8 @@ End = Truncated | Broken | Silence
 
 @dataclass(eq=False)
 class Inflight:
+    """A request as kvctl can end it from outside: a drain, a failed or hung server."""
+
     request_id: str
     client_request_id: str | None
     route: str
