@@ -14,6 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+# the shared helpers' asserts report their values as a test's own do (a conftest's are rewritten already)
+pytest.register_assert_rewrite("tests.harness")
+
 SETTLE_ROUNDS = 20  # event-loop turns given to tasks that are finishing (cancelled, closing their sockets)
 
 

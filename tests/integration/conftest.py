@@ -16,6 +16,7 @@ from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import ProxyConfig, make_proxy_app, run_site
 from testkit import models
 from testkit.llama import ServerProcess, free_port
+from tests.harness import ProxyFactory, ServerFactory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,9 +52,6 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(models_dir: Path, vocab_dir: Path) -> Path:
     return models.write_llama(models_dir / "tiny.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf", models.SIZES["tiny"])
-
-
-ServerFactory = Callable[..., ServerProcess]
 
 
 @pytest.fixture
@@ -92,9 +90,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         yield session
-
-
-ProxyFactory = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture

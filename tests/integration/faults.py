@@ -1,4 +1,5 @@
-"""Helpers for the fault and fuzz tests: kvctl as a subprocess or in this process, raw HTTP, waits."""
+"""Helpers for the fault and fuzz tests: kvctl as a subprocess, raw HTTP, waits (kvctl in this process, the request
+bodies: tests/harness.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,22 +20,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.app import App
-from controller.settings import load_settings
-from testkit.llama import NO_BYTE_TOKENS, StreamResult, free_port, sse_events
+from testkit.llama import free_port, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def request(prompt: str, n_predict: int, **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "logit_bias": NO_BYTE_TOKENS, **extra}
-
-
-def assert_complete(results: Sequence[StreamResult], n_predict: int) -> None:
-    for res in results:
-        assert res.status == 200 and res.error is None, res.error
-        assert res.final is not None and res.final["tokens_predicted"] == n_predict
-        assert res.n_decoded == list(range(1, n_predict + 1))
 
 
 async def wait_until(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
@@ -84,34 +72,6 @@ def log_events(path: Path) -> list[dict[str, Any]]:
             with contextlib.suppress(ValueError):
                 events.append(json.loads(line))
     return events
-
-
-# --- kvctl in this process -------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def kvctl_app(upstream_url: str, /, **groups: dict[str, Any]) -> AsyncIterator[tuple[App, str, str]]:
-    """``kvctl run`` in this process, with any settings group overridden; yields (app, proxy URL, admin URL)."""
-    pport, aport = free_port(), free_port()
-    overrides: dict[str, dict[str, Any]] = {
-        "upstream": {"url": upstream_url},
-        "proxy": {"listen": f"127.0.0.1:{pport}"},
-        "admin": {"listen": f"127.0.0.1:{aport}"},
-    }
-    for group, values in groups.items():
-        overrides[group] = {**overrides.get(group, {}), **values}
-    app = App(load_settings(overrides=overrides))
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop), name="kvctl")
-    started = asyncio.create_task(app.started.wait())
-    await asyncio.wait({task, started}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-    started.cancel()
-    assert app.started.is_set(), "kvctl did not start"
-    try:
-        yield app, f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{aport}"
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 30) == 0, "kvctl must stop cleanly"
 
 
 # --- kvctl as a process ----------------------------------------------------------------------------

@@ -16,9 +16,7 @@ import pytest
 from controller.proxy.admission import AdmissionGate
 from controller.proxy.routes import Kind, RouteTable
 from testkit.llama import parse_metrics
-from tests.integration.conftest import ProxyFactory, ServerFactory
-from tests.integration.test_proxy import POOL
-from tests.unit.test_routes import pinned_routes
+from tests.harness import POOL, ProxyFactory, ServerFactory, pinned_routes
 
 pytestmark = pytest.mark.server
 

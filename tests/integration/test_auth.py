@@ -12,8 +12,7 @@ import pytest
 import structlog
 
 from controller.proxy.admission import AdmissionGate
-from tests.integration.conftest import ProxyFactory, ServerFactory
-from tests.integration.test_proxy import POOL
+from tests.harness import POOL, ProxyFactory, ServerFactory
 
 pytestmark = pytest.mark.server
 

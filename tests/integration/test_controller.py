@@ -21,18 +21,13 @@ from controller.settings import load_settings
 from controller.upstream.client import UpstreamClient
 from controller.upstream.supervisor import Supervisor, SupervisorState
 from testkit.llama import (
-    NO_BYTE_TOKENS,
     StreamResult,
     free_port,
     parse_metrics,
     server_argv,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
-
-
-def request(prompt: str, n_predict: int) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "logit_bias": NO_BYTE_TOKENS}
+from tests.harness import ServerFactory, request
 
 
 async def watch_park_modes(http: aiohttp.ClientSession, url: str, seen: dict[int, set[str]]) -> None:

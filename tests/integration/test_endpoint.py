@@ -16,8 +16,7 @@ from controller.app import App
 from controller.proxy.endpoint_metrics import KVCTL_NAMES, VLLM_NAMES
 from controller.upstream.models import SlotState
 from testkit.llama import stream_completion
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_stack import assert_complete, kvctl, request
+from tests.harness import ServerFactory, assert_complete, request, running_app
 
 
 @dataclass
@@ -64,7 +63,7 @@ async def test_the_gauges_follow_the_pool_through_an_overflow_burst_and_read_ful
     start_server: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
     srv = start_server("-c", "2048", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park")
-    async with kvctl(srv.url, metrics_compat="vllm", api_keys=["sk-test"]) as (app, url, _admin):
+    async with running_app(srv.url, proxy={"metrics_compat": "vllm", "api_keys": ["sk-test"]}) as (app, url, _admin):
         seen: list[Scrape] = []
         done = asyncio.Event()
 
@@ -123,8 +122,8 @@ async def test_a_router_reading_the_gauges_sends_new_requests_to_the_replica_wit
     args = ("-c", "2048", "-np", "2", "-kvu", "--slots", "--metrics", "--no-auto-park")
     srv_a, srv_b = start_server(*args), start_server(*args)
     async with contextlib.AsyncExitStack() as stack:
-        app_a, url_a, _ = await stack.enter_async_context(kvctl(srv_a.url, metrics_compat="vllm"))
-        app_b, url_b, _ = await stack.enter_async_context(kvctl(srv_b.url, metrics_compat="vllm"))
+        app_a, url_a, _ = await stack.enter_async_context(running_app(srv_a.url, proxy={"metrics_compat": "vllm"}))
+        app_b, url_b, _ = await stack.enter_async_context(running_app(srv_b.url, proxy={"metrics_compat": "vllm"}))
         replicas = [url_a, url_b]
         for busy_app, busy_url, other_url in ((app_a, url_a, url_b), (app_b, url_b, url_a)):
             # one replica generates a long answer (only one server computes at a time: two would share 2 cores)

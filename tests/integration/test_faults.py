@@ -39,17 +39,14 @@ from controller.upstream.models import KvSnapshot
 from controller.upstream.supervisor import SupervisorState
 from testkit.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory, assert_complete, request, running_app
 from tests.integration.faults import (
     ROOT,
     KvctlProcess,
     Outcome,
-    assert_complete,
-    kvctl_app,
     metrics_text,
     poll_json,
     post_and_read,
-    request,
     samples,
     wait_until,
 )
@@ -221,7 +218,7 @@ async def test_an_exception_in_the_control_loop_restarts_it_and_streams_continue
 
     monkeypatch.setattr("controller.loop.control.decide", flaky)
     with capture_logs() as logs:
-        async with kvctl_app(srv.url, loop={"restart_delay_s": 0.3}) as (app, url, admin):
+        async with running_app(srv.url, loop={"restart_delay_s": 0.3}) as (app, url, admin):
             results = await asyncio.gather(
                 *[stream_completion(http, url, request(f"Story number {i}:", 3000)) for i in range(4)]
             )
@@ -300,7 +297,7 @@ async def test_without_replay_the_server_killed_mid_stream_is_restarted_and_ever
         "log_file": str(tmp_path / "spawned.log"),
     }
     with capture_logs() as logs:
-        async with kvctl_app(upstream, supervisor=supervisor, proxy={"replay_limit": 0}) as (app, url, admin):
+        async with running_app(upstream, supervisor=supervisor, proxy={"replay_limit": 0}) as (app, url, admin):
             sup = app.supervisor
             assert sup is not None
 
@@ -436,7 +433,7 @@ async def test_host_ram_short_kvctl_parks_by_recompute_and_every_request_complet
     srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park")  # kvctl alone
     with capture_logs() as logs:
         # a reserve larger than any host's RAM: no snapshot fits in what is left, so no swap
-        async with kvctl_app(srv.url, policy={"host_ram_reserve_mib": 1 << 30}) as (app, url, admin):
+        async with running_app(srv.url, policy={"host_ram_reserve_mib": 1 << 30}) as (app, url, admin):
             results = await asyncio.gather(
                 *[stream_completion(http, url, request(f"Story number {i}:", 3000)) for i in range(4)]
             )
@@ -479,7 +476,7 @@ async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_answer
     await server.start_server()
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
-            async with kvctl_app(
+            async with running_app(
                 str(server.make_url("")).rstrip("/"),
                 upstream={"timeout_s": 0.3},
                 loop={"backoff_initial_s": 0.1, "backoff_max_s": 0.8},
@@ -554,7 +551,7 @@ async def test_malformed_answers_are_reported_and_survived() -> None:
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
             with capture_logs() as logs:
-                async with kvctl_app(
+                async with running_app(
                     str(server.make_url("")).rstrip("/"),
                     upstream={"timeout_s": 0.5},
                     loop={"poll_interval_s": 0.02, "backoff_initial_s": 0.02, "backoff_max_s": 0.1},

@@ -28,17 +28,8 @@ from hypothesis import strategies as st
 
 from testkit.llama import ServerProcess, free_port, stream_completion
 from testkit.stack import stop_group
-from tests.integration.conftest import ServerFactory
-from tests.integration.faults import (
-    ROOT,
-    RawAnswer,
-    assert_complete,
-    assert_envelope,
-    kvctl_app,
-    poll_json,
-    raw_request,
-    request,
-)
+from tests.harness import ServerFactory, assert_complete, request, running_app
+from tests.integration.faults import ROOT, RawAnswer, assert_envelope, poll_json, raw_request
 
 TOKEN = "fuzz-token-5b1c"
 AUTH = [(b"Authorization", b"Bearer " + TOKEN.encode())]
@@ -492,7 +483,7 @@ async def test_garbage_is_answered_at_once_while_admission_holds(
     start_server: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
     srv = start_server("-c", "4096", "-np", "1", "-kvu", "--slots", "--metrics")
-    async with kvctl_app(srv.url, proxy={"queue_timeout_s": 3.0, "queue_grace_s": 0.5}) as (app, url, admin):
+    async with running_app(srv.url, proxy={"queue_timeout_s": 3.0, "queue_grace_s": 0.5}) as (app, url, admin):
         # the only slot's request, parked by hand: it keeps its slot, and admission holds everything new
         busy = asyncio.create_task(stream_completion(http, url, request("Holding the only slot", 400)))
         await poll_json(http, srv.url + "/slots", lambda s: s[0]["n_decoded"] >= 10, 10, "the slot to generate")

@@ -17,17 +17,16 @@ from testkit.llama import (
     post_action,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory, request
 
 ACCEPTED = "llamacpp:spec_decode_num_accepted_tokens_total"
+# every request here: the Qwen vocab keeps its byte tokens (NO_BYTE_TOKENS are the llama SPM vocab's ids), no
+# prompt cache
+QWEN: dict[str, Any] = {"byte_tokens": True, "cache_prompt": False}
 
 
 def args(*extra: str, n_ctx: int = 4096) -> tuple[str, ...]:
     return ("-c", str(n_ctx), "-np", "4", "-kvu", "--slots", "--metrics", *extra)
-
-
-def request(prompt: str, n_predict: int, **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False, **extra}
 
 
 async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -46,7 +45,7 @@ async def test_mtp_park_resume_is_exact_with_the_same_acceptance(
     start_server: ServerFactory, qwen35_model: Path, http: aiohttp.ClientSession
 ) -> None:
     srv = start_server(*args("--spec-type", "draft-mtp"), model=qwen35_model)
-    req = request("Once upon a time", 600, id_slot=0)
+    req = request("Once upon a time", 600, id_slot=0, **QWEN)
     ref = await stream_completion(http, srv.url, req)
     assert_complete(ref, 600)
     acc_ref = (await metrics(http, srv.url))[ACCEPTED]
@@ -90,7 +89,9 @@ async def test_pressure_completes_through_the_safety_net(
 ) -> None:
     extra = ("--spec-type", "draft-mtp") if drafting else ()
     srv = start_server(*args(*extra), model=qwen35_model)
-    results = await asyncio.gather(*[stream_completion(http, srv.url, request(f"Story {i}:", 1500)) for i in range(4)])
+    results = await asyncio.gather(
+        *[stream_completion(http, srv.url, request(f"Story {i}:", 1500, **QWEN)) for i in range(4)]
+    )
     for res in results:
         assert_complete(res, 1500)
     m = await metrics(http, srv.url)
@@ -105,7 +106,9 @@ async def test_pressure_with_mtp_parks_by_recompute(
     # --park-ram 0: no snapshot at all; the attention cells, the recurrent state and the MTP context are
     # all rebuilt by evaluating the tokens again
     srv = start_server(*args("--spec-type", "draft-mtp", "--park-ram", "0"), model=qwen35_model)
-    results = await asyncio.gather(*[stream_completion(http, srv.url, request(f"Story {i}:", 1500)) for i in range(4)])
+    results = await asyncio.gather(
+        *[stream_completion(http, srv.url, request(f"Story {i}:", 1500, **QWEN)) for i in range(4)]
+    )
     for res in results:
         assert_complete(res, 1500)
     m = await metrics(http, srv.url)
@@ -123,7 +126,7 @@ async def test_recompute_parks_with_mtp_keep_the_stream(
     srv = start_server(
         *args("--spec-type", "draft-mtp", "--park-ram", "0", "--park-test-interval", "100"), model=qwen35_model
     )
-    req = request("Forced parking by recompute with MTP", 1000)
+    req = request("Forced parking by recompute with MTP", 1000, **QWEN)
     ref = await stream_completion(http, ref_srv.url, req)
     res = await stream_completion(http, srv.url, req)
     assert_complete(ref, 1000)
@@ -145,7 +148,7 @@ async def test_park_test_interval_with_mtp_is_exact(
 ) -> None:
     ref_srv = start_server(*args("--spec-type", "draft-mtp"), model=qwen35_model)
     srv = start_server(*args("--spec-type", "draft-mtp", "--park-test-interval", "50"), model=qwen35_model)
-    req = request("Forced parking with MTP", 1000)
+    req = request("Forced parking with MTP", 1000, **QWEN)
     ref = await stream_completion(http, ref_srv.url, req)
     res = await stream_completion(http, srv.url, req)
     assert_complete(ref, 1000)

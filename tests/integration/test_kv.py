@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 
 from testkit.llama import get_json, parse_metrics, stream_completion
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory
 
 POOL = ("-c", "2048", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4

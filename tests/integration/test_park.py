@@ -11,28 +11,15 @@ import psutil
 import pytest
 
 from testkit.llama import (
-    NO_BYTE_TOKENS,
     StreamResult,
     get_json,
     parse_metrics,
     post_action,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory, request
 
 POOL = ("-c", "4096", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
-
-
-def request(prompt: str, n_predict: int, slot: int) -> dict[str, Any]:
-    return {
-        "prompt": prompt,
-        "n_predict": n_predict,
-        "ignore_eos": True,
-        "temperature": 0,
-        "id_slot": slot,
-        "cache_prompt": False,
-        "logit_bias": NO_BYTE_TOKENS,
-    }
 
 
 def assert_continuous(res: StreamResult, n_predict: int) -> None:
@@ -50,7 +37,7 @@ async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 async def test_solo_stream_parked_four_times_is_exact(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
-    req = request("In a hole in the ground there lived", 1000, 0)
+    req = request("In a hole in the ground there lived", 1000, 0, temperature=0)
     ref = await stream_completion(http, srv.url, req)
     assert_continuous(ref, 1000)
     assert len(set(ref.tokens)) > 500, "the model must not loop, or exactness proves nothing"
@@ -98,7 +85,7 @@ async def test_parked_stream_gets_keepalives_and_parked_time_is_not_generation_t
     start_server: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
     srv = start_server(*POOL)
-    req = request("A long time ago", 200, 1)
+    req = request("A long time ago", 200, 1, temperature=0)
     parked_s = 6.0
 
     async def park_once(res: StreamResult) -> None:
@@ -136,9 +123,9 @@ async def test_three_streams_one_parked_repeatedly(start_server: ServerFactory, 
             parks += 1
 
     results = await asyncio.gather(
-        stream_completion(http, srv.url, request(prompts[0], n_predict, 0)),
-        stream_completion(http, srv.url, request(prompts[1], n_predict, 1), on_chunk=park_resume),
-        stream_completion(http, srv.url, request(prompts[2], n_predict, 2)),
+        stream_completion(http, srv.url, request(prompts[0], n_predict, 0, temperature=0)),
+        stream_completion(http, srv.url, request(prompts[1], n_predict, 1, temperature=0), on_chunk=park_resume),
+        stream_completion(http, srv.url, request(prompts[2], n_predict, 2, temperature=0)),
     )
     assert parks >= 5
     for res in results:
@@ -157,7 +144,7 @@ async def test_three_streams_one_parked_repeatedly(start_server: ServerFactory, 
 
 async def test_cancel_while_parked_frees_the_slot(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
-    req = request("The cancelled request", 300, 2)
+    req = request("The cancelled request", 300, 2, temperature=0)
 
     class HangUp(Exception):
         pass
@@ -183,10 +170,10 @@ async def test_cancel_while_parked_frees_the_slot(start_server: ServerFactory, h
     assert kv["n_cells_used"] == 0
 
     # the slot is reusable: a new request on it runs in full and matches a fresh server's output
-    res = await stream_completion(http, srv.url, request("After the cancel", 120, 2))
+    res = await stream_completion(http, srv.url, request("After the cancel", 120, 2, temperature=0))
     assert_continuous(res, 120)
     other = start_server(*POOL)
-    ref = await stream_completion(http, other.url, request("After the cancel", 120, 2))
+    ref = await stream_completion(http, other.url, request("After the cancel", 120, 2, temperature=0))
     assert res.tokens == ref.tokens
 
 
@@ -205,7 +192,9 @@ async def test_only_parked_slots_do_not_spin_the_loop(start_server: ServerFactor
             cpu.append((t1.user + t1.system) - (t0.user + t0.system))
             assert (await post_action(http, srv.url, 0, "resume"))[0] == 200
 
-    res = await stream_completion(http, srv.url, request("Idle while parked", 80, 0), on_chunk=park_and_measure)
+    res = await stream_completion(
+        http, srv.url, request("Idle while parked", 80, 0, temperature=0), on_chunk=park_and_measure
+    )
     assert_continuous(res, 80)
     # a busy loop would burn ~2 s of CPU in 2 s; parked, the server only polls
     assert cpu[0] < 0.5, f"server used {cpu[0]:.2f} s of CPU in 2 s with only a parked slot"
@@ -213,7 +202,7 @@ async def test_only_parked_slots_do_not_spin_the_loop(start_server: ServerFactor
 
 async def test_non_streaming_request_survives_a_park(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server(*POOL)
-    body = {**request("Plain JSON please", 300, 0), "return_tokens": True}
+    body = {**request("Plain JSON please", 300, 0, temperature=0), "return_tokens": True}
     async with http.post(srv.url + "/completion", json=body) as resp:
         ref = await resp.json()
 

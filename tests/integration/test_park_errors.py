@@ -9,27 +9,15 @@ import aiohttp
 import pytest
 
 from testkit.llama import (
-    NO_BYTE_TOKENS,
     StreamResult,
     get_json,
     parse_metrics,
     post_action,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory, request
 
 POOL = ("-c", "2048", "-np", "3", "-kvu", "--slots", "--metrics", "--no-cache-idle-slots")
-
-
-def request(prompt: str | list[int], n_predict: int, slot: int) -> dict[str, Any]:
-    return {
-        "prompt": prompt,
-        "n_predict": n_predict,
-        "ignore_eos": True,
-        "id_slot": slot,
-        "cache_prompt": False,
-        "logit_bias": NO_BYTE_TOKENS,
-    }
 
 
 def assert_error(status: int, body: dict[str, Any], code: int, etype: str, words: str) -> None:

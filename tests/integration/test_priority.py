@@ -10,8 +10,7 @@ import aiohttp
 
 from controller.app import App
 from testkit.llama import get_json, stream_completion
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_stack import assert_complete, kvctl, request
+from tests.harness import ServerFactory, assert_complete, request, running_app
 
 
 async def watch_parks(http: aiohttp.ClientSession, url: str, done: asyncio.Event) -> dict[int, int | None]:
@@ -36,7 +35,7 @@ async def test_high_priority_streams_arriving_mid_overflow_are_never_parked_and_
 ) -> None:
     # 8192 cells: 6 % above HIGH holds a poll's growth of six streams on this fast model (test_stack does the same)
     srv = start_server("-c", "8192", "-np", "6", "-kvu", "--slots", "--metrics", "--no-auto-park")
-    async with kvctl(srv.url) as (app, url, _admin):
+    async with running_app(srv.url) as (app, url, _admin):
         done = asyncio.Event()
         watcher = asyncio.create_task(watch_parks(http, srv.url, done))
         # four low-priority streams fill the pool (4 x 2400 tokens > 8192 cells) ...

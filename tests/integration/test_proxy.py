@@ -22,9 +22,7 @@ from testkit.llama import (
     sse_events,
     stream_completion,
 )
-from tests.integration.conftest import ProxyFactory, ServerFactory
-
-POOL = ("-c", "4096", "-np", "4", "-kvu", "--slots", "--metrics")
+from tests.harness import POOL, ProxyFactory, ServerFactory
 
 
 def chat(n: int) -> dict[str, Any]:

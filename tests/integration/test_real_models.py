@@ -31,8 +31,7 @@ import pytest
 from testkit import models, realmodels
 from testkit.llama import StreamResult, free_port, get_json, post_action, server_argv, stream_completion
 from testkit.stack import stack_admin, start_stack
-from tests.integration.conftest import ProxyFactory, ServerFactory
-from tests.integration.test_replay import kill_server
+from tests.harness import ProxyFactory, ServerFactory, kill_server
 
 pytestmark = pytest.mark.server
 

@@ -10,33 +10,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil
 import pytest
 
 from testkit.llama import NO_BYTE_TOKENS, StreamResult, free_port, server_argv, sse_events, stream_completion
 from testkit.stack import stack_admin, start_stack
+from tests.harness import kill_server
 
 pytestmark = pytest.mark.server
 
 N = 600  # tokens each stream generates
 KILL_AT = 150  # the native stream's tokens when the server is killed
 SERVER = ("-c", "8192", "-np", "5", "-kvu", "--slots", "--metrics")
-
-
-def kill_server(port: int, sig: int = signal.SIGKILL) -> int:
-    """Signal the llama-server listening on ``port`` (the one kvctl spawned); its pid."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port) and "llama-server" in cmd[0]:
-            os.kill(proc.pid, sig)
-            return int(proc.pid)
-    raise AssertionError(f"no llama-server on port {port}")
 
 
 async def events(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[Any]:

@@ -29,8 +29,7 @@ import aiohttp
 import pytest
 
 from testkit.llama import StreamResult, free_port, get_json, stream_completion
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_stack import kvctl, request
+from tests.harness import ServerFactory, request, running_app
 
 pytestmark = pytest.mark.server
 
@@ -145,7 +144,7 @@ async def test_the_documented_configuration(
     kind: str, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics")
-    async with kvctl(srv.url) as (_app, url, admin):
+    async with running_app(srv.url) as (_app, url, admin):
         port = free_port()
         argv, env = front_command(kind, tmp_path, port, int(url.rsplit(":", 1)[1]))
         with running(argv, port, tmp_path / f"{kind}.log", env) as front:

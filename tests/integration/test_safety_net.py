@@ -13,20 +13,15 @@ import psutil
 import pytest
 
 from testkit.llama import (
-    NO_BYTE_TOKENS,
     StreamResult,
     get_json,
     parse_metrics,
     post_action,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory, request
 
 LEASE = {"X-Park-Lease": "1"}
-
-
-def request(prompt: str | list[int], n_predict: int, **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "logit_bias": NO_BYTE_TOKENS, **extra}
 
 
 async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:

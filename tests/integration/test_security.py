@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from testkit.llama import NO_BYTE_TOKENS, free_port, stream_completion
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory
 from tests.integration.faults import KvctlProcess
 
 UPSTREAM_KEY = "sk-upstream-secret-7d1e"

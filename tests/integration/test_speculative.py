@@ -16,7 +16,7 @@ from testkit.llama import (
     post_action,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
+from tests.harness import ServerFactory
 
 
 def spec_args(model: Path) -> tuple[str, ...]:

@@ -4,66 +4,25 @@ real patched server with its own safety net switched off."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.app import App
-from controller.settings import load_settings
 from testkit.llama import (
-    NO_BYTE_TOKENS,
-    StreamResult,
-    free_port,
     get_json,
     parse_metrics,
     stream_completion,
 )
-from tests.integration.conftest import ServerFactory
-
-
-@contextlib.asynccontextmanager
-async def kvctl(upstream: str, **proxy: Any) -> AsyncIterator[tuple[App, str, str]]:
-    """kvctl in this process; yields (app, proxy URL, admin URL)."""
-    pport, aport = free_port(), free_port()
-    settings = load_settings(
-        overrides={
-            "upstream": {"url": upstream},
-            "proxy": {"listen": f"127.0.0.1:{pport}", **proxy},
-            "admin": {"listen": f"127.0.0.1:{aport}"},
-        }
-    )
-    app = App(settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop), name="kvctl")
-    await asyncio.wait_for(app.started.wait(), 30)
-    try:
-        yield app, f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{aport}"
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 30) == 0
-
-
-def request(prompt: str, n_predict: int, **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "logit_bias": NO_BYTE_TOKENS, **extra}
-
-
-def assert_complete(results: list[StreamResult], n_predict: int) -> None:
-    for res in results:
-        assert res.status == 200 and res.error is None, res.error
-        assert res.final is not None and res.final["tokens_predicted"] == n_predict
-        assert res.n_decoded == list(range(1, n_predict + 1))
+from tests.harness import ServerFactory, assert_complete, request, running_app
 
 
 async def test_requests_beyond_capacity_queue_and_complete(
     start_server: ServerFactory, http: aiohttp.ClientSession
 ) -> None:
     srv = start_server("-c", "8192", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park")
-    async with kvctl(srv.url) as (app, url, admin):
+    async with running_app(srv.url) as (app, url, admin):
         results = await asyncio.gather(*[stream_completion(http, url, request(f"Chat {i}:", 2500)) for i in range(8)])
         assert_complete(list(results), 2500)
         async with http.get(admin + "/metrics") as resp:
@@ -86,7 +45,7 @@ async def test_requests_beyond_capacity_queue_and_complete(
 
 async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server("-c", "8192", "-np", "2", "-kvu", "--slots", "--metrics", "--no-auto-park")
-    async with kvctl(srv.url, queue_depth=1) as (_app, url, _admin):
+    async with running_app(srv.url, proxy={"queue_depth": 1}) as (_app, url, _admin):
         running = [asyncio.create_task(stream_completion(http, url, request(f"Busy {i}", 4000))) for i in range(2)]
         while True:  # both slots busy: the gate holds new requests
             kv = await get_json(http, srv.url + "/kv")
@@ -105,7 +64,7 @@ async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactor
 
 async def test_upstream_down_answers_503_at_once(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server("-c", "2048", "-np", "2", "-kvu", "--slots")
-    async with kvctl(srv.url) as (app, url, _admin):
+    async with running_app(srv.url) as (app, url, _admin):
         assert_complete([await stream_completion(http, url, request("Up", 20))], 20)
         srv.stop()
         down = asyncio.Event()
@@ -127,7 +86,7 @@ async def test_hybrid_mtp_pressure_through_the_controller(
     srv = start_server(
         "-c", "4096", "-np", "4", "-kvu", "--slots", "--metrics", "--no-auto-park", *extra, model=qwen35_model
     )
-    async with kvctl(srv.url) as (app, url, _admin):
+    async with running_app(srv.url) as (app, url, _admin):
         results = await asyncio.gather(
             *[
                 stream_completion(http, url, {"prompt": f"Story {i}:", "n_predict": 1500, "ignore_eos": True})

@@ -16,12 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controller.app import App
-from controller.settings import load_settings
 from testkit.llama import free_port, server_argv, sse_events
-from tests.integration.conftest import ProxyFactory, ServerFactory
-from tests.integration.faults import request, wait_until
-from tests.integration.test_proxy import POOL
+from tests.harness import POOL, ProxyFactory, ServerFactory, request, running_app
+from tests.integration.faults import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -84,24 +81,12 @@ async def test_a_frozen_server_ends_streams_with_their_protocols_error_event(
     assert name is None and data["error"]["kvctl_code"] == "upstream_timeout"
 
 
-async def start_kvctl(settings: dict[str, dict[str, Any]]) -> tuple[App, asyncio.Event, asyncio.Task[int], str, str]:
-    pport, aport = free_port(), free_port()
-    overrides = {
-        **settings,
-        "proxy": {"listen": f"127.0.0.1:{pport}", **settings.get("proxy", {})},
-        "admin": {"listen": f"127.0.0.1:{aport}"},
-    }
-    app = App(load_settings(overrides=overrides))
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop), name="kvctl")
-    await asyncio.wait_for(app.started.wait(), 60)
-    return app, stop, task, f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{aport}"
-
-
-def spawn_settings(llama_server_bin: Path, tiny_model: Path, tmp_path: Path, **proxy: Any) -> dict[str, Any]:
+def spawn_settings(
+    llama_server_bin: Path, tiny_model: Path, tmp_path: Path, **proxy: Any
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """The spawned server's URL, and the settings groups that spawn it."""
     port = free_port()
-    return {
-        "upstream": {"url": f"http://127.0.0.1:{port}"},
+    return f"http://127.0.0.1:{port}", {
         "supervisor": {
             "spawn": server_argv(llama_server_bin, tiny_model, port, *POOL),
             "log_file": str(tmp_path / "spawned.log"),
@@ -114,12 +99,10 @@ def spawn_settings(llama_server_bin: Path, tiny_model: Path, tmp_path: Path, **p
 async def test_a_hung_spawned_server_is_killed_and_restarted(
     llama_server_bin: Path, tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    app, stop, task, url, _ = await start_kvctl(
-        spawn_settings(llama_server_bin, tiny_model, tmp_path, upstream_read_timeout_s=3.0)
-    )
-    sup = app.supervisor
-    assert sup is not None
-    try:
+    upstream, groups = spawn_settings(llama_server_bin, tiny_model, tmp_path, upstream_read_timeout_s=3.0)
+    async with running_app(upstream, **groups, start_timeout_s=60, stop_timeout_s=60) as (app, url, _):
+        sup = app.supervisor
+        assert sup is not None
         await wait_until(lambda: app.loop.state.upstream_up and sup.status.state == "ready", 30, "a ready server")
         assert "--sse-ping-interval" in sup.status.argv, "a spawned server pings within a third of the timeout"
         pid = sup.status.pid
@@ -136,48 +119,49 @@ async def test_a_hung_spawned_server_is_killed_and_restarted(
         await wait_until(lambda: app.loop.state.upstream_up, 60, "the restarted server")
         async with http.post(url + "/completion", json=request("back", 8)) as resp:
             assert resp.status == 200 and (await resp.json())["tokens_predicted"] == 8
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 60) == 0
 
 
 async def test_sigterm_drains_open_streams_then_stops_the_server(
     llama_server_bin: Path, tiny_model: Path, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    app, stop, task, url, admin = await start_kvctl(spawn_settings(llama_server_bin, tiny_model, tmp_path, drain_s=3.0))
-    sup = app.supervisor
-    assert sup is not None and app.proxy is not None
-    await wait_until(lambda: app.loop.state.upstream_up, 30, "the first poll")
+    upstream, groups = spawn_settings(llama_server_bin, tiny_model, tmp_path, drain_s=3.0)
+    stop = asyncio.Event()
     outcomes: dict[int, tuple[str, float]] = {}
+    # kvctl must stop cleanly once the drain is over: running_app's exit waits for its exit code 0
+    async with running_app(upstream, **groups, stop=stop, start_timeout_s=60) as (app, url, admin):
+        sup = app.supervisor
+        assert sup is not None and app.proxy is not None
+        await wait_until(lambda: app.loop.state.upstream_up, 30, "the first poll")
 
-    async def stream(i: int, n_predict: int) -> None:
-        async with http.post(url + "/completion", json={**request(f"drain {i}", n_predict), "stream": True}) as resp:
-            assert resp.status == 200
-            async for ev in sse_events(resp):
-                if ev.data is None:
-                    continue
-                chunk = json.loads(ev.data)
-                if "error" in chunk:
-                    outcomes[i] = (chunk["error"]["kvctl_code"], time.monotonic())
-                    return
-                if chunk.get("stop"):
-                    outcomes[i] = ("done", time.monotonic())
-                    return
-        outcomes[i] = ("cut", time.monotonic())
+        async def stream(i: int, n_predict: int) -> None:
+            async with http.post(
+                url + "/completion", json={**request(f"drain {i}", n_predict), "stream": True}
+            ) as resp:
+                assert resp.status == 200
+                async for ev in sse_events(resp):
+                    if ev.data is None:
+                        continue
+                    chunk = json.loads(ev.data)
+                    if "error" in chunk:
+                        outcomes[i] = (chunk["error"]["kvctl_code"], time.monotonic())
+                        return
+                    if chunk.get("stop"):
+                        outcomes[i] = ("done", time.monotonic())
+                        return
+            outcomes[i] = ("cut", time.monotonic())
 
-    # two streams that finish inside the drain, two that cannot
-    streams = [asyncio.create_task(stream(i, n)) for i, n in enumerate((300, 300, 100000, 100000))]
-    await wait_until(lambda: len(app.proxy.inflight) == 4, 10, "four open streams")  # type: ignore[union-attr]
-    t_term = time.monotonic()
-    stop.set()  # what SIGTERM does (cli.py)
-    await wait_until(lambda: app.proxy.draining, 5, "the drain")  # type: ignore[union-attr]
-    async with http.get(admin + "/readyz") as resp:
-        assert resp.status == 503 and "shutting down" in json.dumps(await resp.json())
-    async with http.post(url + "/completion", json=request("late", 8)) as resp:
-        assert resp.status == 503 and (await resp.json())["error"]["kvctl_code"] == "shutting_down"
-    assert sup.status.pid is not None and sup.status.last_exit is None, "the server is still up during the drain"
-    await asyncio.wait_for(asyncio.gather(*streams), 30)
-    assert await asyncio.wait_for(task, 30) == 0
+        # two streams that finish inside the drain, two that cannot
+        streams = [asyncio.create_task(stream(i, n)) for i, n in enumerate((300, 300, 100000, 100000))]
+        await wait_until(lambda: len(app.proxy.inflight) == 4, 10, "four open streams")  # type: ignore[union-attr]
+        t_term = time.monotonic()
+        stop.set()  # what SIGTERM does (cli.py)
+        await wait_until(lambda: app.proxy.draining, 5, "the drain")  # type: ignore[union-attr]
+        async with http.get(admin + "/readyz") as resp:
+            assert resp.status == 503 and "shutting down" in json.dumps(await resp.json())
+        async with http.post(url + "/completion", json=request("late", 8)) as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["kvctl_code"] == "shutting_down"
+        assert sup.status.pid is not None and sup.status.last_exit is None, "the server is still up during the drain"
+        await asyncio.wait_for(asyncio.gather(*streams), 30)
     assert [outcomes[i][0] for i in range(4)] == ["done", "done", "shutting_down", "shutting_down"]
     for i in (2, 3):
         assert 3.0 <= outcomes[i][1] - t_term < 6.0, "ended at the end of the drain"

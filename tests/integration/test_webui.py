@@ -29,8 +29,7 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
 from testkit.llama import ServerProcess, get_json, parse_metrics
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_stack import kvctl
+from tests.harness import ServerFactory, running_app
 
 pytestmark = pytest.mark.server
 
@@ -171,7 +170,7 @@ async def test_a_message_gets_its_whole_answer_while_the_server_parks(
     start_server: ServerFactory, http: aiohttp.ClientSession, browser: Browser
 ) -> None:
     srv = start(start_server)
-    async with kvctl(srv.url) as (_app, url, _admin):
+    async with running_app(srv.url) as (_app, url, _admin):
         page = await open_ui(browser, url, http)
         body = await send(page, "Tell me a story.")
         await wait_answer_done(page)
@@ -186,7 +185,7 @@ async def test_a_reload_mid_answer_resumes_the_stream(
     start_server: ServerFactory, http: aiohttp.ClientSession, browser: Browser
 ) -> None:
     srv = start(start_server)
-    async with kvctl(srv.url) as (_app, url, _admin):
+    async with running_app(srv.url) as (_app, url, _admin):
         page = await open_ui(browser, url, http)
         body = await send(page, "Tell me a long story.")
         await stop_button(page).first.wait_for(timeout=30_000)
@@ -209,7 +208,7 @@ async def test_stop_ends_generation_on_the_server(
     start_server: ServerFactory, http: aiohttp.ClientSession, browser: Browser
 ) -> None:
     srv = start(start_server)
-    async with kvctl(srv.url) as (_app, url, _admin):
+    async with running_app(srv.url) as (_app, url, _admin):
         page = await open_ui(browser, url, http)
         await send(page, "Count to a million.")
         await stop_button(page).first.wait_for(timeout=30_000)

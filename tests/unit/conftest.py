@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp.test_utils import TestServer
 
 from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer
+from tests.harness import serving
 
 
 @pytest.fixture
@@ -18,10 +18,8 @@ def fake() -> FakeLlamaServer:
 
 @pytest.fixture
 async def fake_url(fake: FakeLlamaServer) -> AsyncIterator[str]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    yield str(server.make_url(""))
-    await server.close()
+    async with serving(fake) as server:
+        yield str(server.make_url(""))
 
 
 @pytest.fixture

@@ -13,14 +13,14 @@ from typing import Any
 import aiohttp
 import pytest
 import structlog
-from aiohttp.test_utils import TestServer
 
 from controller.admin.app import Readiness
 from controller.admin.models import Status
 from controller.app import App, configure_logging
 from controller.cli.main import main
-from controller.settings import LogFormat, LogSettings, load_settings
+from controller.settings import LogFormat, LogSettings
 from tests.fakes.llama_server import FakeLlamaServer, error, kv_body
+from tests.harness import FAST_LOOP, running_app
 
 
 @pytest.fixture(autouse=True)
@@ -39,25 +39,8 @@ def fake() -> FakeLlamaServer:
 
 
 async def start_app(fake: FakeLlamaServer, **admin: Any) -> AsyncIterator[tuple[App, str]]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    settings = load_settings(
-        overrides={
-            "upstream": {"url": str(server.make_url(""))},
-            "admin": {"listen": "127.0.0.1:0", **admin},
-            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05},
-        }
-    )
-    app = App(settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop))
-    await asyncio.wait_for(app.started.wait(), 5)
-    try:
-        yield app, f"http://{app.admin_addresses[0]}"
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 10) == 0
-        await server.close()
+    async with running_app(fake, admin=admin, loop=FAST_LOOP) as (app, _proxy, url):
+        yield app, url
 
 
 @pytest.fixture

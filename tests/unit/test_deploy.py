@@ -29,6 +29,7 @@ import yaml
 
 from controller.proxy.app import DRAIN_GRACE_S
 from controller.settings import Settings, load_settings, split_host_port
+from tests.harness import K8S_MIN_VERSION, require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -37,8 +38,6 @@ UNITS = ("llama-server.service", "kvctl.service")
 DASHBOARD = DEPLOY / "grafana" / "kvctl-dashboard.json"
 PROMETHEUS = DEPLOY / "prometheus"
 K8S = DEPLOY / "k8s" / "kvctl-sidecar.yaml"
-K8S_MIN_VERSION = "1.30"  # the oldest Kubernetes the manifests support: the preStop sleep action is 1.30's
-
 DEFAULTS = Settings()
 PROXY_PORT = split_host_port(DEFAULTS.proxy.listen)[1]
 ADMIN_PORT = split_host_port(DEFAULTS.admin.listen)[1]
@@ -530,17 +529,6 @@ def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPa
     drain, stop = settings.proxy.drain_s, settings.supervisor.stop_timeout_s
     assert pod["terminationGracePeriodSeconds"] >= drain + DRAIN_GRACE_S + stop
     assert server["lifecycle"]["preStop"]["sleep"]["seconds"] >= drain + DRAIN_GRACE_S
-
-
-def require_module(name: str, package: str) -> ModuleType:
-    """The module, or a skip naming the package (a failure under CI, as in require_tool)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        reason = f"{name} is not installed (pip install -e '.[test]' installs {package})"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason}; under CI a missing validator is a failure, not a skip")
-        pytest.skip(reason)
 
 
 def test_k8s_manifest_matches_the_kubernetes_schemas() -> None:

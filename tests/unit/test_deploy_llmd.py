@@ -24,7 +24,7 @@ import yaml
 from controller.proxy.app import DRAIN_GRACE_S
 from controller.proxy.endpoint_metrics import CACHE_INFO_LABELS, KVCTL_NAMES, VLLM_NAMES
 from controller.settings import MetricsCompat, Settings, load_settings, split_host_port
-from tests.unit.test_deploy import K8S_MIN_VERSION, require_module
+from tests.harness import K8S_MIN_VERSION, require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

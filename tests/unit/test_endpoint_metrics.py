@@ -4,7 +4,6 @@ usage 1 when the numbers cannot be trusted. The live contract on the real server
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +21,8 @@ from controller.proxy.endpoint_metrics import (
     EndpointMetrics,
     EndpointSample,
 )
-from controller.settings import load_settings
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
+from tests.harness import FAST_LOOP, running_app, serving
 
 
 def families(text: str) -> dict[str, Any]:
@@ -67,36 +66,12 @@ def test_usage_reads_1_when_it_cannot_be_trusted_and_never_exceeds_it(sample: En
     assert value(text, KVCTL_NAMES["kv_usage"]) == 1 and value(text, VLLM_NAMES["kv_usage"]) == 1, why
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 async def stack(fake: FakeLlamaServer) -> AsyncIterator[tuple[App, str, TestServer]]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    port = free_port()
-    settings = load_settings(
-        overrides={
-            "upstream": {"url": str(server.make_url(""))},
-            "admin": {"listen": "127.0.0.1:0"},
-            "proxy": {"listen": f"127.0.0.1:{port}", "api_keys": ["sk-test"], "metrics_compat": "vllm"},
-            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05},
-        }
-    )
-    app = App(settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop))
-    await asyncio.wait_for(app.started.wait(), 5)
-    try:
-        yield app, f"http://127.0.0.1:{port}", server
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 10) == 0
-        await server.close()
+    async with serving(fake) as server:
+        proxy = {"api_keys": ["sk-test"], "metrics_compat": "vllm"}
+        async with running_app(str(server.make_url("")), proxy=proxy, loop=FAST_LOOP) as (app, url, _):
+            yield app, url, server
 
 
 async def polled(app: App, n: int = 2) -> None:

@@ -22,7 +22,9 @@ from controller.probes import GpuProbe
 from controller.settings import deprecations, load_settings
 from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
-from tests.unit.test_loop import NOW, plenty, settings
+from tests.harness import LOOP_NOW as NOW
+from tests.harness import loop_settings as settings
+from tests.harness import plenty
 
 GiB = 1024**3
 MiB = 1024**2

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,38 +16,14 @@ from controller.admin.models import ManualAction
 from controller.errors import Code, KvctlError
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
-from controller.probes import HostMemory
 from controller.settings import Settings, load_settings
 from controller.upstream.client import UpstreamClient
 from tests.fakes.clock import FakeClock
 from tests.fakes.llama_server import FakeLlamaServer, Reply, error, kv_body
-
-NOW = 10_000_000
-
-
-def settings(policy: dict[str, Any] | None = None, **loop: Any) -> Settings:
-    return load_settings(
-        overrides={
-            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05, **loop},
-            "policy": policy or {},
-        }
-    )
-
-
-def plenty() -> HostMemory:
-    return HostMemory(available_bytes=64 * 2**30, total_bytes=64 * 2**30)
-
-
-def pressured() -> dict[str, Any]:
-    # 950 of 1000 cells: the newest (slot 2) must be parked
-    return kv_body(
-        1000,
-        [
-            {"state": "generating", "n_cells": 600, "id_task": 1, "t_arrival_ms": 1},
-            {"state": "generating", "n_cells": 200, "id_task": 2, "t_arrival_ms": 2},
-            {"state": "generating", "n_cells": 150, "id_task": 3, "t_arrival_ms": 3},
-        ],
-    )
+from tests.harness import LOOP_NOW as NOW
+from tests.harness import loop_sample as sample
+from tests.harness import loop_settings as settings
+from tests.harness import park_answer, plenty, pressured
 
 
 def make_loop(client: UpstreamClient, s: Settings | None = None) -> ControlLoop:
@@ -62,11 +37,6 @@ async def wait_polls(loop: ControlLoop, n: int, timeout_s: float = 5.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"the loop polled {loop.state.polls} times, expected {target}")
-
-
-def sample(loop: ControlLoop, name: str, **labels: str) -> float:
-    value = loop.metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
 
 
 async def test_a_poll_under_pressure_parks_the_newest_and_records_it(
@@ -86,19 +56,6 @@ async def test_a_poll_under_pressure_parks_the_newest_and_records_it(
     assert loop.state.max_pressure == pytest.approx(953 / 1000)
     events = [e for e in logs if e["event"] == "park.done"]
     assert events and events[0]["reason"] == "pressure" and events[0]["slot"] == 2
-
-
-def park_answer(slot: int, task: int, **extra: Any) -> Reply:
-    body = {
-        "id_slot": slot,
-        "id_task": task,
-        "action": "park",
-        "n_cells": 150,
-        "n_bytes": 0,
-        "park_count": 1,
-        "timings": {"park_ms": 0.2},
-    }
-    return Reply(body={**body, **extra})
 
 
 async def test_the_policy_s_mode_is_asked_for_and_counted_as_the_server_answers(

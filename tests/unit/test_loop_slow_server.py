@@ -26,7 +26,9 @@ from controller.proxy.app import STREAM_ERROR_STAGES, ProxyMetrics
 from controller.settings import Settings, load_settings
 from controller.upstream.client import UpstreamClient, UpstreamUnavailable
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body
-from tests.unit.test_loop import NOW, park_answer, plenty, pressured, sample
+from tests.harness import LOOP_NOW as NOW
+from tests.harness import loop_sample as sample
+from tests.harness import park_answer, plenty, pressured
 
 
 def settings(**upstream: Any) -> Settings:

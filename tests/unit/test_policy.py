@@ -26,10 +26,10 @@ from controller.policy.types import (
 from controller.settings import RestoreOrder
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates, Slot, SlotState
 from testkit.snapshots import S, kv
+from tests.harness import BOTH, PROPS, snapshots
+from tests.harness import POLICY_NOW as NOW
 
 CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)
-NOW = 1_000_000
-BOTH = (ParkMode.SWAP, ParkMode.RECOMPUTE)  # a server that parks by swap and by recompute
 
 
 def run(snapshot: KvSnapshot, cfg: PolicyConfig = CFG, **kw: object) -> Decision:
@@ -556,68 +556,6 @@ def test_admission_allowance_is_exact(n_cells: int, used: int, reserve: int, dra
 
 # --- properties ------------------------------------------------------------------------------------
 
-POOL = st.integers(min_value=64, max_value=4096)
-
-
-@st.composite
-def snapshots(draw: st.DrawFn) -> tuple[KvSnapshot, PolicyConfig, int | None]:
-    n = draw(POOL)
-    n_slots = draw(st.integers(1, 8))
-    bpc = draw(st.sampled_from([1, 512, 1000]))
-    # None: an older server (swap only, no costs published)
-    modes = draw(st.sampled_from([None, None, (), (ParkMode.RECOMPUTE,), BOTH, BOTH]))
-    slots: list[S] = []
-    free = n
-    for i in range(n_slots):
-        state = draw(st.sampled_from(["idle", "prompt", "generating", "generating", "parked"]))
-        cap = n if state == "parked" else free
-        cells = draw(st.integers(0, max(0, cap)))
-        if state != "parked":
-            free -= cells
-        slots.append(
-            S(
-                state,
-                cells,
-                id_task=None if state == "idle" else draw(st.integers(0, 50)) * 10 + i,
-                t_arrival_ms=draw(st.integers(0, 20)),
-                park_count=draw(st.integers(0, 3)),
-                parked_since_ms=NOW - draw(st.integers(0, 60_000)),
-                n_draft_max=draw(st.sampled_from([0, 0, 2, 5])),
-                n_prompt_left=draw(st.integers(0, 600)),
-                snapshot_bytes=cells * bpc + draw(st.sampled_from([0, 0, 1, bpc * 100])),
-                mode=draw(st.sampled_from([None, ParkMode.RECOMPUTE])) if modes and state == "parked" else None,
-                recomputing=modes is not None and state == "prompt" and draw(st.booleans()),
-            )
-        )
-    budget = draw(st.none() | st.integers(0, 2 * n * bpc))
-    draft = draw(st.none() | st.integers(max(1, n - free), 2 * n))
-    cfg = PolicyConfig(
-        high=draw(st.floats(0.5, 0.99)),
-        low=0.0,
-        budget_bytes=draw(st.integers(0, 2 * n * bpc)),
-        host_reserve_bytes=draw(st.integers(0, n * bpc)),
-        margin_cells=draw(st.integers(0, 32)),
-        order=draw(st.sampled_from(list(RestoreOrder))),
-        max_wait_ms=draw(st.integers(1, 60_000)),
-        gpu_floor_bytes=100,
-    )
-    cfg = replace(cfg, low=draw(st.floats(0.05, cfg.high - 0.01)))
-    host = draw(st.none() | st.integers(0, 2 * n * bpc))
-    server_host = draw(st.none() | st.integers(0, 2 * n * bpc)) if modes is not None else None
-    rate = st.none() | st.floats(1.0, 1e9)
-    rates = ParkRates(copy_bytes_per_s=draw(rate), prompt_tokens_per_s=draw(rate))
-    snap = kv(
-        n,
-        slots,
-        draft_cells=draft,
-        bytes_per_cell=bpc,
-        budget=budget,
-        park_modes=modes,
-        host_ram=server_host,
-        rates=rates if modes is not None else None,
-    )
-    return snap, cfg, host
-
 
 def largest(slots: tuple[Slot, ...]) -> Slot | None:
     res = [s for s in slots if s.state in (SlotState.PROMPT, SlotState.GENERATING)]
@@ -630,9 +568,6 @@ def largest(slots: tuple[Slot, ...]) -> Slot | None:
         if (s.n_cells, -a_s, -(s.id_task or -1), -s.id) > (best.n_cells, -a_b, -(best.id_task or -1), -best.id):
             best = s
     return best
-
-
-PROPS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPS

@@ -21,7 +21,7 @@ from controller.policy.pool import pressure
 from controller.policy.types import Decision, PolicyConfig, PolicyInput, Reason, SkipReason
 from controller.upstream.models import KvSnapshot, SlotState
 from testkit.snapshots import S, kv
-from tests.unit.test_policy import PROPS, snapshots
+from tests.harness import PROPS, snapshots
 
 CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)
 NOW = 1_000_000

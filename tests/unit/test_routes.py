@@ -2,32 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import re
-from pathlib import Path
-
-import pytest
-
 from controller.proxy.routes import ROUTES, Kind, RouteTable, predict_route_from_env
-
-REGISTRATION = re.compile(r'ctx_http\.(get|post|del)\s*\(\s*"([^"]+)"')
-METHODS = {"get": "GET", "post": "POST", "del": "DELETE"}
-
-
-def pinned_server_source() -> Path:
-    """tools/server/server.cpp of the pinned, patched tree: build_llama.sh keeps it beside the binary."""
-    binary = os.environ.get("LLAMA_SERVER_BIN_PATH")
-    if not binary:
-        pytest.fail("LLAMA_SERVER_BIN_PATH is not set: run the suite with scripts/test.sh")
-    path = Path(binary).parent.parent / "src" / "server.cpp"
-    assert path.is_file(), f"{path} is missing: rebuild with scripts/build_llama.sh --force"
-    return path
-
-
-def pinned_routes() -> set[tuple[str, str]]:
-    found = {(METHODS[m], p) for m, p in REGISTRATION.findall(pinned_server_source().read_text())}
-    assert len(found) > 40, "the registration pattern no longer matches server.cpp"
-    return found
+from tests.harness import pinned_routes
 
 
 def test_every_route_of_the_pinned_server_is_classified() -> None:

@@ -29,8 +29,9 @@ from controller.app import App, configure_logging
 from controller.cli.client import admin_url
 from controller.cli.main import main
 from controller.cli.render import pool_bar, render_status
-from controller.settings import LogFormat, LogSettings, load_settings
+from controller.settings import LogFormat, LogSettings
 from tests.fakes.llama_server import FakeLlamaServer, kv_body
+from tests.harness import FAST_LOOP, running_app
 
 GiB = 1024**3
 
@@ -664,26 +665,8 @@ def logs_to_stderr() -> Iterator[None]:
 
 
 async def running_kvctl(fake: FakeLlamaServer, degraded_after_s: float) -> AsyncIterator[tuple[App, str]]:
-    server = TestServer(fake.app())
-    await server.start_server()
-    settings = load_settings(
-        overrides={
-            "upstream": {"url": str(server.make_url(""))},
-            "proxy": {"listen": "127.0.0.1:0"},
-            "admin": {"listen": "127.0.0.1:0", "degraded_after_s": degraded_after_s},
-            "loop": {"poll_interval_s": 0.01, "backoff_initial_s": 0.01, "backoff_max_s": 0.05},
-        }
-    )
-    app = App(settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run(stop))
-    await asyncio.wait_for(app.started.wait(), 5)
-    try:
+    async with running_app(fake, admin={"degraded_after_s": degraded_after_s}, loop=FAST_LOOP) as (app, _, _):
         yield app, app.admin_addresses[0]
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(task, 10) == 0
-        await server.close()
 
 
 async def wait_polled(app: App, n: int) -> None:

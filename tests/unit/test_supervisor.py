@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from controller.proxy.app import PROXY_KEY, ProxyConfig, make_proxy_app
 from controller.settings import Settings, load_settings
 from controller.upstream.server_log import LINE_MAX_CHARS, Tail
 from controller.upstream.supervisor import Supervisor, SupervisorState
+from testkit.llama import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,12 +68,6 @@ if mode.startswith("ready_then_exit:"):
     sys.exit(4)
 time.sleep(60)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_settings(tmp_path: Path, mode: str, **supervisor: Any) -> Settings:

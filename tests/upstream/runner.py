@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+
+from testkit.llama import free_port
 
 HERE = Path(__file__).resolve().parent
 BASELINE = HERE / "baseline.json"
@@ -84,12 +85,6 @@ def model(paths: Paths) -> Path:
     out = Path(tempfile.gettempdir()) / "kvctl-upstream-tests" / "tiny.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     return models.write_llama(out, paths.vocab / "ggml-vocab-llama-spm.gguf", models.SIZES["tiny"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(paths: Paths, files: list[str], *, timeout_s: float = 3600, quiet: bool = True) -> dict[str, str]:
