@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -34,20 +33,7 @@ import aiohttp
 from bench.common import build, cli, model, pct, save, server, table
 from bench.streams import Timed, timed_stream
 from testkit.llama import NO_BYTE_TOKENS, parse_metrics
-
-
-@dataclass(frozen=True)
-class Req:
-    prompt: str | list[int]
-    n_predict: int
-    after: tuple[int, int] | None = None
-    """Start once request ``after[0]`` has streamed ``after[1]`` tokens (or ended): arrivals tied to
-    progress, not to the clock, so a workload means the same on a fast and a slow machine."""
-
-    @property
-    def n_prompt(self) -> int:
-        """Prompt tokens (a text prompt here is a few words: BOS and ~4 tokens)."""
-        return len(self.prompt) if isinstance(self.prompt, list) else 5
+from testkit.policy_sim import Req
 
 
 def workloads(n_ctx: int) -> dict[str, list[Req]]:

@@ -5,6 +5,8 @@
 - ``testkit.llama``: a real llama-server child process, and a client for its streams, actions and metrics
 - ``testkit.stack``: ``kvctl run`` in its own process in front of a server
 - ``testkit.snapshots``: ``GET /kv`` snapshots built in code, for the policy's tests and its simulation
+- ``testkit.policy_sim``: the policy on a simulated server, step by step (tests/unit/test_policy_sim.py and
+  ``python -m bench.policy_sim``)
 
 The kvctl wheel holds only ``controller``: testkit is not installed, it is imported from the checkout. The
 repository root must be on ``sys.path``, as it is for ``python -m testkit.models`` run from the root and under pytest

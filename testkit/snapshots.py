@@ -1,4 +1,4 @@
-"""Build consistent /kv snapshots: for the policy tests, and for bench.policy_sim's simulated server."""
+"""Build consistent /kv snapshots: for the policy tests, and for testkit.policy_sim's simulated server."""
 
 from __future__ import annotations
 

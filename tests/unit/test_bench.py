@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_sim import simulate
 from bench.pressure import schedule, workloads
 from bench.streams import Timed
 from controller.settings import RestoreOrder
+from testkit.policy_sim import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 
