@@ -169,3 +169,49 @@ def test_a_lazy_import_that_closes_a_cycle_is_found(tmp_path: Path) -> None:
     auth.write_text(auth.read_text() + "\n\ndef _late2() -> None:\n    import controller.settings  # noqa\n")
     cycles = import_cycles("controller", tmp_path)
     assert any({"controller.settings", "controller.proxy.auth"} <= set(c) for c in cycles), cycles
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """``importer -> imported`` for every import (lazy ones too) of a test module (``test_*``) or a conftest by
+    another module of tests, testkit or bench. What test modules share belongs in tests/harness.py (or testkit);
+    pytest loads the conftest files itself, and a module that imports one runs it a second time."""
+    pytest.importorskip("grimp")
+    program = (
+        "import json, grimp\n"
+        "g = grimp.build_graph('tests', 'testkit', 'bench', cache_dir=None)\n"
+        "print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(
+        [sys.executable, "-c", program], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    imports: dict[str, list[str]] = json.loads(r.stdout)
+
+    def is_test_module(name: str) -> bool:
+        last = name.rsplit(".", 1)[-1]
+        return name.startswith("tests.") and (last.startswith("test_") or last == "conftest")
+
+    return sorted(f"{m} -> {t}" for m, targets in imports.items() for t in targets if is_test_module(t))
+
+
+def test_no_module_imports_a_test_module_or_a_conftest() -> None:
+    assert imports_of_test_modules(ROOT) == []
+
+
+def test_an_import_of_a_test_module_or_a_conftest_is_found(tmp_path: Path) -> None:
+    """The check is not vacuous: a test module importing another one's helper, and a helper module importing a
+    conftest's type inside a function, are both found; importing the harness is not."""
+    for package in ("tests", "tests/unit", "testkit", "bench"):
+        (tmp_path / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "tests" / "harness.py").write_text("HELPER = 1\n")
+    (tmp_path / "tests" / "unit" / "conftest.py").write_text("Factory = int\n")
+    (tmp_path / "tests" / "unit" / "test_a.py").write_text("from tests.harness import HELPER\n\nOWN = HELPER\n")
+    (tmp_path / "tests" / "unit" / "test_b.py").write_text("from tests.unit.test_a import OWN\n")
+    (tmp_path / "tests" / "unit" / "helpers.py").write_text(
+        "def late() -> None:\n    from tests.unit.conftest import Factory  # noqa\n"
+    )
+    assert imports_of_test_modules(tmp_path) == [
+        "tests.unit.helpers -> tests.unit.conftest",
+        "tests.unit.test_b -> tests.unit.test_a",
+    ]
