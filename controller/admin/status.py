@@ -16,11 +16,12 @@ from controller.admin.models import (
     SwaPoolView,
     UpstreamView,
 )
+from controller.loop.gpu_room import DeviceRoom
 from controller.loop.state import LoopState
 from controller.policy.pool import effective_priorities, pressure
 from controller.policy.types import PolicyConfig, PolicyInput
 from controller.probes.gpu import GpuState
-from controller.upstream.models import SlotState
+from controller.upstream.models import KvSnapshot, SlotState
 from controller.upstream.supervisor import SupervisorState, SupervisorStatus
 
 __all__ = ["build_status", "upstream_state"]
@@ -60,88 +61,6 @@ def build_status(
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     mono = time.monotonic()
     kv = state.snapshot if state.upstream_up else None
-    pool = None
-    slots: list[SlotView] = []
-    if kv is not None:
-        p = pressure(kv)
-        pool = PoolView(
-            n_cells=kv.n_cells,
-            n_cells_used=kv.n_cells_used,
-            used_ratio=kv.used_ratio,
-            projected_target=p.target,
-            projected_draft=p.draft,
-            swa=(
-                SwaPoolView(
-                    n_cells=kv.swa.n_cells,
-                    n_cells_used=kv.swa.n_cells_used,
-                    n_swa=kv.swa.n_swa,
-                    projected=p.swa if p.swa is not None else kv.swa.used_ratio,
-                )
-                if kv.swa is not None
-                else None
-            ),
-            pressure=p.value,
-            high=config.high,
-            low=config.low,
-            max_pressure=state.max_pressure,
-            max_growth=state.max_growth,
-            above_high_s=above_high_s,
-            n_parked=kv.n_parked,
-            parked_bytes=kv.parked_bytes,
-            parked_budget_bytes=min(
-                config.budget_bytes,
-                kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else config.budget_bytes,
-            ),
-        )
-        eff, _ = effective_priorities(PolicyInput(kv=kv, now_ms=now_ms), config)
-        for s in kv.slots:
-            since = s.park.parked_since_ms if s.state is SlotState.PARKED else None
-            history = state.history.get(s.id_task) if s.id_task is not None else None
-            slots.append(
-                SlotView(
-                    id=s.id,
-                    id_task=s.id_task,
-                    state=str(s.state),
-                    n_cells=s.cells,
-                    age_s=max(0, now_ms - s.t_arrival_ms) / 1000
-                    if s.t_arrival_ms is not None and s.id_task is not None
-                    else None,
-                    n_decoded=s.n_decoded,
-                    park_count=s.park.count,
-                    parked_since_ms=since,
-                    waited_s=(now_ms - since) / 1000 if since is not None else None,
-                    pinned=history is not None and history.pinned,
-                    auto_parked=s.park.auto,
-                    park_mode=str(s.park.mode) if s.park.mode is not None else None,
-                    recomputing=s.park.recomputing,
-                    priority=s.priority,
-                    effective_priority=eff.get(s.id) if s.id_task is not None else None,
-                )
-            )
-    sup = None
-    if supervisor is not None:
-        last = supervisor.last_exit
-        sup = SupervisorView(
-            state=str(supervisor.state),
-            pid=supervisor.pid,
-            starts=supervisor.starts,
-            restarts=supervisor.restarts,
-            ready_since_unix=supervisor.ready_since_unix,
-            next_start_in_s=supervisor.next_start_in_s,
-            last_exit=ExitView(
-                returncode=last.returncode,
-                at_unix=last.at_unix,
-                early=last.early,
-                uptime_s=last.uptime_s,
-                signal=last.signal,
-                log_tail=list(last.log_tail),
-            )
-            if last is not None
-            else None,
-            early_exits=supervisor.early_exits,
-            failed_after=failed_after,
-            failure=supervisor.failure,
-        )
     snapshot = state.snapshot
     room = state.gpu_room
     gpu_state = str(GpuState.OK) if room.devices else str(GpuState.ABSENT)
@@ -163,9 +82,9 @@ def build_status(
             backoff_s=state.backoff_s,
             lease_held=snapshot.lease.held if snapshot is not None and snapshot.lease is not None else None,
         ),
-        supervisor=sup,
-        pool=pool,
-        slots=slots,
+        supervisor=_supervisor_view(supervisor, failed_after) if supervisor is not None else None,
+        pool=_pool_view(kv, state, config, above_high_s) if kv is not None else None,
+        slots=_slot_views(kv, state, config, now_ms) if kv is not None else [],
         loop=LoopView(
             alive=loop_alive,
             heartbeat_age_s=mono - state.heartbeat_monotonic,
@@ -178,20 +97,104 @@ def build_status(
         host_available_bytes=state.host.available_bytes if state.host is not None else None,
         host_total_bytes=state.host.total_bytes if state.host is not None else None,
         gpu=gpu_state,
-        gpu_devices=[
-            GpuDeviceView(
-                index=i,
-                name=d.name,
-                used_bytes=d.used_bytes,
-                free_bytes=d.free_bytes,
-                total_bytes=d.total_bytes,
-                server_bytes=d.server_bytes,
-                others_bytes=d.others_bytes,
-                others_growth_bytes=d.others_growth_bytes,
-                device_id=d.device_id,
-                source=d.source,
-            )
-            for i, d in enumerate(room.devices)
-        ],
+        gpu_devices=[_gpu_device_view(i, d) for i, d in enumerate(room.devices)],
         gpu_held=room.held,
+    )
+
+
+def _pool_view(kv: KvSnapshot, state: LoopState, config: PolicyConfig, above_high_s: float | None) -> PoolView:
+    p = pressure(kv)
+    swa = None
+    if kv.swa is not None:
+        projected = p.swa if p.swa is not None else kv.swa.used_ratio
+        swa = SwaPoolView(
+            n_cells=kv.swa.n_cells, n_cells_used=kv.swa.n_cells_used, n_swa=kv.swa.n_swa, projected=projected
+        )
+    server_budget = kv.park_ram_budget_bytes if kv.park_ram_budget_bytes is not None else config.budget_bytes
+    return PoolView(
+        n_cells=kv.n_cells,
+        n_cells_used=kv.n_cells_used,
+        used_ratio=kv.used_ratio,
+        projected_target=p.target,
+        projected_draft=p.draft,
+        swa=swa,
+        pressure=p.value,
+        high=config.high,
+        low=config.low,
+        max_pressure=state.max_pressure,
+        max_growth=state.max_growth,
+        above_high_s=above_high_s,
+        n_parked=kv.n_parked,
+        parked_bytes=kv.parked_bytes,
+        parked_budget_bytes=min(config.budget_bytes, server_budget),
+    )
+
+
+def _slot_views(kv: KvSnapshot, state: LoopState, config: PolicyConfig, now_ms: int) -> list[SlotView]:
+    eff, _ = effective_priorities(PolicyInput(kv=kv, now_ms=now_ms), config)
+    views = []
+    for s in kv.slots:
+        since = s.park.parked_since_ms if s.state is SlotState.PARKED else None
+        history = state.history.get(s.id_task) if s.id_task is not None else None
+        busy = s.t_arrival_ms is not None and s.id_task is not None
+        views.append(
+            SlotView(
+                id=s.id,
+                id_task=s.id_task,
+                state=str(s.state),
+                n_cells=s.cells,
+                age_s=max(0, now_ms - s.t_arrival_ms) / 1000 if busy and s.t_arrival_ms is not None else None,
+                n_decoded=s.n_decoded,
+                park_count=s.park.count,
+                parked_since_ms=since,
+                waited_s=(now_ms - since) / 1000 if since is not None else None,
+                pinned=history is not None and history.pinned,
+                auto_parked=s.park.auto,
+                park_mode=str(s.park.mode) if s.park.mode is not None else None,
+                recomputing=s.park.recomputing,
+                priority=s.priority,
+                effective_priority=eff.get(s.id) if s.id_task is not None else None,
+            )
+        )
+    return views
+
+
+def _supervisor_view(supervisor: SupervisorStatus, failed_after: int) -> SupervisorView:
+    last = supervisor.last_exit
+    last_exit = None
+    if last is not None:
+        last_exit = ExitView(
+            returncode=last.returncode,
+            at_unix=last.at_unix,
+            early=last.early,
+            uptime_s=last.uptime_s,
+            signal=last.signal,
+            log_tail=list(last.log_tail),
+        )
+    return SupervisorView(
+        state=str(supervisor.state),
+        pid=supervisor.pid,
+        starts=supervisor.starts,
+        restarts=supervisor.restarts,
+        ready_since_unix=supervisor.ready_since_unix,
+        next_start_in_s=supervisor.next_start_in_s,
+        last_exit=last_exit,
+        early_exits=supervisor.early_exits,
+        failed_after=failed_after,
+        failure=supervisor.failure,
+    )
+
+
+def _gpu_device_view(index: int, d: DeviceRoom) -> GpuDeviceView:
+    return GpuDeviceView(
+        index=index,
+        name=d.name,
+        used_bytes=d.used_bytes,
+        free_bytes=d.free_bytes,
+        total_bytes=d.total_bytes,
+        server_bytes=d.server_bytes,
+        others_bytes=d.others_bytes,
+        others_growth_bytes=d.others_growth_bytes,
+        device_id=d.device_id,
+        source=d.source,
     )
