@@ -36,6 +36,15 @@ SECTIONS = [
         "Before issue 16, the safety net alone completed 0 of 4 requests of this band at `--park-ram 1`.",
     ),
     (
+        "proxy_ab.md",
+        "The proxy before and after the stage split (issue 33)",
+        "python -m bench.proxy_ab --before f5fee5c --rounds 30",
+        "One patched server and three ways to it, in rotating order each round: direct, kvctl at `f5fee5c` (the "
+        "1,547-line proxy, from a git worktree) and kvctl as the checkout has it (the proxy split by request "
+        "stage). Medians with their interquartile range, and the paired per-round ratios with 95 % intervals: "
+        "the split costs nothing measurable where the interval of `now / before` covers 1.",
+    ),
+    (
         "overhead.md",
         "Cost when parking never fires",
         "python -m bench.overhead --pairs 100",
