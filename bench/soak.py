@@ -125,7 +125,8 @@ async def run(args: argparse.Namespace) -> Tally:
         url = srv.url
         cleanup = None
         if args.via_proxy:
-            from controller.proxy.app import ProxyConfig, make_proxy_app, run_site
+            from controller.proxy.app import make_proxy_app, run_site
+            from controller.proxy.config import ProxyConfig
 
             port = free_port()
             cleanup = await run_site(

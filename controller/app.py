@@ -28,7 +28,8 @@ from controller.policy.pool import pressure
 from controller.policy.types import QueuedRequest
 from controller.probes import GpuProbe
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import PROXY_KEY, Proxy, ProxyConfig, make_proxy_app, run_site, tls_context
+from controller.proxy.app import PROXY_KEY, Proxy, make_proxy_app, run_site, tls_context
+from controller.proxy.config import ProxyConfig
 from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from controller.proxy.routes import predict_route_from_env
 from controller.settings import LogFormat, LogSettings, MetricsCompat, Settings, split_host_port

@@ -54,8 +54,8 @@ from controller.proxy.endpoint_metrics import EndpointMetrics
 from controller.proxy.forward import Upstream
 from controller.proxy.framing import Errors
 from controller.proxy.frontdoor import AskServer, Cors, FrontDoor
-from controller.proxy.inspection import BadRequest, GenerationBody, estimate_prompt_cells, read_generation
-from controller.proxy.metrics import STREAM_ERROR_STAGES, ProxyMetrics
+from controller.proxy.inspection import BadRequest, GenerationBody, read_generation
+from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Ownership
 from controller.proxy.priority import PRIORITY_HEADER, InvalidPriority, Priority, PriorityRules, resolve_priority
 from controller.proxy.relay import Relay
@@ -68,11 +68,7 @@ from controller.proxy.writer import Writer
 __all__ = [
     "DRAIN_GRACE_S",
     "PROXY_KEY",
-    "STREAM_ERROR_STAGES",
     "Proxy",
-    "ProxyConfig",
-    "ProxyMetrics",
-    "estimate_prompt_cells",
     "make_proxy_app",
     "run_site",
     "tls_context",

@@ -28,7 +28,7 @@ from controller.proxy.sse import has_data
 from controller.proxy.transcript import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
 from controller.proxy.writer import Writer
 
-__all__ = ["ANNOUNCE_HEADER", "OPT_OUT_HEADER", "Replay", "ReplayMemory", "Transcript"]
+__all__ = ["Replay"]
 
 log = structlog.get_logger("kvctl.proxy")
 

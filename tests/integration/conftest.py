@@ -13,7 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import ProxyConfig, make_proxy_app, run_site
+from controller.proxy.app import make_proxy_app, run_site
+from controller.proxy.config import ProxyConfig
 from testkit import models
 from testkit.llama import ServerProcess, free_port
 from tests.harness import ProxyFactory, ServerFactory

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
-from controller.proxy.app import estimate_prompt_cells
+from controller.proxy.inspection import estimate_prompt_cells
 
 
 def test_a_gate_never_updated_admits_everything() -> None:

@@ -18,7 +18,8 @@ from controller.admin.app import make_admin_app
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import ProxyConfig, make_proxy_app
+from controller.proxy.app import make_proxy_app
+from controller.proxy.config import ProxyConfig
 from controller.settings import load_settings
 from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer, kv_body

@@ -22,7 +22,7 @@ from controller.admin.models import ManualAction
 from controller.errors import Code, KvctlError
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
-from controller.proxy.app import STREAM_ERROR_STAGES, ProxyMetrics
+from controller.proxy.metrics import STREAM_ERROR_STAGES, ProxyMetrics
 from controller.settings import Settings, load_settings
 from controller.upstream.client import UpstreamClient, UpstreamUnavailable
 from tests.fakes.llama_server import FakeLlamaServer, Reply, kv_body

@@ -19,7 +19,8 @@ from structlog.testing import capture_logs
 
 from controller.keys import ApiKey
 from controller.proxy.admission import AdmissionGate, AdmissionQueue
-from controller.proxy.app import PROXY_KEY, Proxy, ProxyConfig, make_proxy_app
+from controller.proxy.app import PROXY_KEY, Proxy, make_proxy_app
+from controller.proxy.config import ProxyConfig
 from controller.settings import SettingsError, load_settings
 from tests.fakes.llama_server import FakeLlamaServer
 

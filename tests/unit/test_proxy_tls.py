@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.proxy.app import ProxyConfig, make_proxy_app, run_site, tls_context
+from controller.proxy.app import make_proxy_app, run_site, tls_context
+from controller.proxy.config import ProxyConfig
 from testkit.llama import free_port
 
 

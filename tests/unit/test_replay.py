@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import PROXY_KEY, ProxyConfig, make_proxy_app
-from controller.proxy.replay import ReplayMemory, Transcript
+from controller.proxy.app import PROXY_KEY, make_proxy_app
+from controller.proxy.config import ProxyConfig
+from controller.proxy.transcript import ReplayMemory, Transcript
 
 
 class Upstream:

@@ -30,7 +30,8 @@ from controller.cli.render import render_status
 from controller.errors import ERROR_HEADER
 from controller.metrics import Metrics
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import PROXY_KEY, ProxyConfig, make_proxy_app
+from controller.proxy.app import PROXY_KEY, make_proxy_app
+from controller.proxy.config import ProxyConfig
 from controller.settings import Settings, load_settings
 from controller.upstream.server_log import LINE_MAX_CHARS, Tail
 from controller.upstream.supervisor import Supervisor, SupervisorState
