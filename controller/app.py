@@ -26,7 +26,7 @@ from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.policy.pool import pressure
 from controller.policy.types import QueuedRequest
-from controller.probes import GpuProbe
+from controller.probes.gpu import GpuProbe
 from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import PROXY_KEY, Proxy, make_proxy_app, run_site, tls_context
 from controller.proxy.config import ProxyConfig

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from controller.app import App
 from controller.loop.control import ControlLoop
 from controller.policy.types import PolicyConfig
-from controller.probes import HostMemory
+from controller.probes.host import HostMemory
 from controller.settings import RestoreOrder, Settings, load_settings
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates
 from testkit.llama import NO_BYTE_TOKENS, ServerProcess, StreamResult, free_port

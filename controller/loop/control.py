@@ -31,7 +31,8 @@ from controller.policy.admission import admission
 from controller.policy.plan import decide
 from controller.policy.pool import effective_priorities
 from controller.policy.types import Action, ActionKind, Admission, PolicyConfig, PolicyInput, QueuedRequest, Reason
-from controller.probes import GpuProbe, HostMemory, read_host_memory
+from controller.probes.gpu import GpuProbe
+from controller.probes.host import HostMemory, read_host_memory
 from controller.settings import Settings
 from controller.upstream.client import UpstreamApiError, UpstreamClient, UpstreamError, UpstreamUnavailable
 from controller.upstream.models import KvSnapshot, ParkMode, SlotState

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from controller.loop.gpu_room import NO_GPU, GpuRoom
 from controller.policy.types import Decision, TaskHistory
-from controller.probes import GpuReading, HostMemory
+from controller.probes.gpu import GpuReading
+from controller.probes.host import HostMemory
 from controller.upstream.models import KvSnapshot
 
 __all__ = ["LoopState"]

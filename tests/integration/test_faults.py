@@ -32,7 +32,7 @@ from controller.policy.admission import admission
 from controller.policy.plan import decide
 from controller.policy.pool import pressure
 from controller.policy.types import Decision, PolicyConfig, PolicyInput
-from controller.probes import HostMemory
+from controller.probes.host import HostMemory
 from controller.settings import load_settings
 from controller.upstream.client import UpstreamClient
 from controller.upstream.models import KvSnapshot

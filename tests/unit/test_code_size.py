@@ -42,3 +42,14 @@ def test_the_check_finds_what_is_too_long(tmp_path: Path) -> None:
         f"controller/long.py: {FUNCTION_LINES + MODULE_LINES + 1} lines (module, at most {MODULE_LINES})",
         f"controller/long.py:1 f: {FUNCTION_LINES + 1} lines (function, at most {FUNCTION_LINES})",
     ], found
+
+
+def test_every_package_init_imports_nothing() -> None:
+    """Importing one module runs its packages' ``__init__``: that costs nothing and closes no cycle when they are
+    empty (docs/architecture.md); import the module that defines the name."""
+    loud = [
+        str(init.relative_to(CONTROLLER.parent))
+        for init in sorted(CONTROLLER.rglob("__init__.py"))
+        if any(isinstance(n, ast.Import | ast.ImportFrom) for n in ast.walk(ast.parse(init.read_text())))
+    ]
+    assert loud == [], loud

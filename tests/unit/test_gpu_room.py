@@ -18,7 +18,7 @@ from controller.admin.status import build_status
 from controller.loop.control import ControlLoop
 from controller.loop.gpu_room import normalize_bus_id
 from controller.metrics import Metrics
-from controller.probes import GpuProbe
+from controller.probes.gpu import GpuProbe
 from controller.settings import deprecations, load_settings
 from controller.upstream.client import UpstreamClient
 from tests.fakes.llama_server import FakeLlamaServer, kv_body

@@ -5,8 +5,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from controller.probes import GpuProbe, HostMemory, read_host_memory
-from controller.probes.gpu import GpuState
+from controller.probes.gpu import GpuProbe, GpuState
+from controller.probes.host import HostMemory, read_host_memory
 
 
 def test_host_memory_headroom_is_available_less_the_reserve() -> None:
