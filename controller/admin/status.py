@@ -136,14 +136,14 @@ def _slot_views(kv: KvSnapshot, state: LoopState, config: PolicyConfig, now_ms: 
     for s in kv.slots:
         since = s.park.parked_since_ms if s.state is SlotState.PARKED else None
         history = state.history.get(s.id_task) if s.id_task is not None else None
-        busy = s.t_arrival_ms is not None and s.id_task is not None
+        arrived = s.t_arrival_ms if s.id_task is not None else None  # an age only while it serves a request
         views.append(
             SlotView(
                 id=s.id,
                 id_task=s.id_task,
                 state=str(s.state),
                 n_cells=s.cells,
-                age_s=max(0, now_ms - s.t_arrival_ms) / 1000 if busy and s.t_arrival_ms is not None else None,
+                age_s=max(0, now_ms - arrived) / 1000 if arrived is not None else None,
                 n_decoded=s.n_decoded,
                 park_count=s.park.count,
                 parked_since_ms=since,

@@ -137,13 +137,13 @@ class Replay:
     async def _answered(
         self, ctx: RequestContext, transcript: Transcript, cm: Any, upstream: aiohttp.ClientResponse
     ) -> Opened | None:
-        """The continuation's response: its stream, or the server's refusal kept for the client."""
+        """The continuation's response: its stream (``cm`` goes with it, to the relay), or the server's refusal kept
+        for the client (``cm`` is closed here)."""
+        if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            self.metrics.replays.labels(outcome="sent").inc()
+            log.info("replay.sent", request_id=transcript.request_id, tokens=len(transcript.ids))
+            return cm, upstream
         try:
-            if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                self.metrics.replays.labels(outcome="sent").inc()
-                log.info("replay.sent", request_id=transcript.request_id, tokens=len(transcript.ids))
-                cm, sent = None, cm
-                return sent, upstream
             data = await self.upstream.read_all(upstream)
             self.metrics.replays.labels(outcome="refused").inc()
             log.warning(
@@ -155,8 +155,7 @@ class Replay:
             transcript.refused = error_from_body(ctx.route, upstream.status, data or b"")
             return None
         finally:
-            if cm is not None:
-                await cm.__aexit__(None, None, None)
+            await cm.__aexit__(None, None, None)
 
     async def _beating(self, ctx: RequestContext, sending: Awaitable[Opened]) -> Opened:
         """Await ``sending`` (a continuation whose response has not started: it may wait in the server's queue
