@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from controller.admin.app import make_admin_app
+from controller.errors import Code
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.policy.pool import pressure
@@ -125,6 +126,9 @@ class App:
             )
         self.admin_addresses: list[str] = []
         self.gate = AdmissionGate()
+        # until the first poll says otherwise, the server is coming back: a spawned one loads its model, and an
+        # attached one is refused at once only once a poll finds that it never answered
+        self.gate.server_down()
         self._proxy_cleanup: Callable[[], Awaitable[None]] | None = None
         self.proxy: Proxy | None = None
         self._started_monotonic = time.monotonic()
@@ -137,12 +141,17 @@ class App:
 
     def _server_failed(self, message: str) -> None:
         """The supervisor gave up: requests waiting for the server end now, new ones are answered at once."""
-        # the gate opens for what is still queued (conversation streams): each then fails at once in the proxy
-        self.gate.refuse_reason = message
-        self.gate.update(None)
+        self.gate.refuse(message, Code.SERVER_FAILED)  # what waits in the admission queue ends at once
         if self.proxy is not None:
             ended = self.proxy.fail(message)
             log.error("proxy.ended_waiting_requests", count=ended, reason="server failed")
+
+    def _server_comes_back(self) -> bool:
+        """Whether a server that does not answer now is expected back: a spawned one until the supervisor gives up
+        on it; an attached one once it has answered (kvctl cannot know that one that never did ever will)."""
+        if self.supervisor is not None:
+            return self.supervisor.status.failure is None
+        return self.loop.state.last_answer_monotonic is not None
 
     def _loop_alive(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -165,13 +174,16 @@ class App:
         if silent < limit:
             self._hung_reported = False
             return
-        if self.proxy is not None:
+        if self.supervisor is not None:
+            # the requests it had not answered are sent again to the new server (proxy/replay.py): held, not ended
+            self.supervisor.kill_hung(f"/kv not answered for {silent:.0f} s")
+            return
+        if self.proxy is not None and silent >= limit + self.settings.proxy.replay_timeout_s:
+            # an attached server cannot be restarted by kvctl: its unanswered requests wait replay_timeout_s longer
             ended = self.proxy.end_waiting()
             if ended:
                 log.error("proxy.ended_waiting_requests", count=ended, silent_s=round(silent, 1))
-        if self.supervisor is not None:
-            self.supervisor.kill_hung(f"/kv not answered for {silent:.0f} s")
-        elif not self._hung_reported:
+        if not self._hung_reported:
             log.error("upstream.not_answering", silent_s=round(silent, 1), error=self.loop.state.last_error)
         self._hung_reported = True
 
@@ -179,10 +191,16 @@ class App:
         """After every poll: what the policy says about new requests becomes the proxy's gate."""
         verdict = self.loop.admission(self.settings.proxy.admission_reserve_cells)
         if verdict is None:
-            self.gate.refuse_reason = f"llama-server is not answering ({self.loop.state.last_error})"
-            self.gate.update(None)
+            failure = self.supervisor.status.failure if self.supervisor is not None else None
+            if failure is not None:
+                self.gate.refuse(failure, Code.SERVER_FAILED)
+            elif self._server_comes_back():
+                self.gate.server_down()  # new requests wait for it (proxy.replay_timeout_s), in their order
+            else:
+                # an attached server that never answered: nothing says it ever will (the details are in the log)
+                self.gate.refuse("llama-server is not answering", Code.UPSTREAM_UNAVAILABLE)
             return
-        self.gate.refuse_reason = None
+        self.gate.server_up()
         self.gate.update(
             None if verdict.admit else verdict.reason,
             verdict.allowance,
@@ -231,6 +249,7 @@ class App:
         host, port = split_host_port(p.listen)
         app = make_proxy_app(config, self.gate, self.metrics.registry)
         self.proxy = app[PROXY_KEY]
+        self.proxy.state.comes_back = self._server_comes_back
         if self.supervisor is not None:
             supervisor = self.supervisor
             self.proxy.restarts = lambda: supervisor.status.restarts

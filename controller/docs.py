@@ -22,11 +22,13 @@ WHAT_KIND_MEANS = {
         "admission by priority, kvctl's `X-Request-Id` and the effective `X-Priority`, heartbeats while queued or "
         "parked, errors in the route's framing"
     ),
-    Kind.PRIVATE: "refused (404) unless `proxy.expose_private_routes`; `GET /metrics` is kvctl's own endpoint gauges "
-    "(docs/scaling.md), never the server's",
+    Kind.PRIVATE: "refused (403, naming kvctl's admin port) unless `proxy.expose_private_routes`; `GET /metrics` is "
+    "kvctl's own endpoint gauges (docs/scaling.md), never the server's",
     Kind.PUBLIC: "no credentials needed (as on the server)",
     Kind.CONVERSATION: "relayed byte for byte; with several kvctl keys, only the key that started the conversation",
     Kind.CONTROL: "relayed; with several kvctl keys, only the key that started the completion",
+    Kind.SLOTS: "relayed under the server's own authentication, each slot's `request_id` the client's own; with "
+    "several kvctl keys, only the slots serving that key's requests (all of them for an `operator` key)",
     Kind.RELAY: "relayed as it is, streamed, encodings untouched",
 }
 

@@ -56,9 +56,16 @@ class Code(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     SHUTTING_DOWN = "shutting_down"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    """The server is not answering and kvctl has no reason to expect it back (an attached server that never
+    answered)."""
+    SERVER_RESTARTING = "server_restarting"
+    """The server is coming back (restarting, loading its model, an attached server that answered before) and did
+    not within `proxy.replay_timeout_s` of the request's wait: 503 with Retry-After."""
     UPSTREAM_DISCONNECTED = "upstream_disconnected"
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_ERROR = "upstream_error"
+    PRIVATE_ROUTE = "private_route"
+    """A controller route (a slot action, `GET /kv`) on the client port: 403, it is on kvctl's admin API."""
     """The server answered an error whose body kvctl could not read."""
     SERVER_FAILED = "server_failed"
     """The supervised server died before it was ready supervisor.failed_after times in a row and is not started

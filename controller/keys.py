@@ -34,6 +34,8 @@ class ApiKey:
     name: str
     priority: int | None = None
     max_priority: int | None = None
+    operator: bool = False
+    """Sees every slot in the client port's ``GET /slots`` (a tenant's key sees only its own requests')."""
 
     def __repr__(self) -> str:  # never the key
         return f"ApiKey(name={self.name!r})"
@@ -52,14 +54,14 @@ class KeyFileError(ValueError):
 
 
 def parse_key_entry(entry: Any, where: str) -> ApiKey:
-    """A key string, or a table ``{key, name, priority, max_priority}``."""
+    """A key string, or a table ``{key, name, priority, max_priority, operator}``."""
     if isinstance(entry, str):
         if not entry:
             raise KeyFileError(f"{where}: empty key")
         return ApiKey(entry, name=where)
     if not isinstance(entry, Mapping):
-        raise KeyFileError(f"{where}: expected a key string or a table {{key, name, priority, max_priority}}")
-    unknown = set(entry) - {"key", "name", "priority", "max_priority"}
+        raise KeyFileError(f"{where}: expected a key string or a table {{key, name, priority, max_priority, operator}}")
+    unknown = set(entry) - {"key", "name", "priority", "max_priority", "operator"}
     if unknown:
         raise KeyFileError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     key = entry.get("key")
@@ -78,7 +80,10 @@ def parse_key_entry(entry: Any, where: str) -> ApiKey:
     if default is not None and cap is not None and default > cap:
         # the key's own requests would be capped below the default it names: a contradiction, not a choice
         raise KeyFileError(f"{where}: 'priority' ({default}) is above 'max_priority' ({cap})")
-    return ApiKey(key, name, default, cap)
+    operator = entry.get("operator", False)
+    if not isinstance(operator, bool):
+        raise KeyFileError(f"{where}: 'operator' must be true or false")
+    return ApiKey(key, name, default, cap, operator)
 
 
 def read_key_file(path: Path) -> list[ApiKey]:

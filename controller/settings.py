@@ -145,6 +145,10 @@ class ApiKeyEntry(_Group):
     """The highest priority this key's requests may have: what they ask for (the body's `priority`, `X-Priority`, the
     objective header) is capped to it."""
 
+    operator: bool = False
+    """With several keys: this key sees every slot in the client port's `GET /slots`; a tenant's key (the default)
+    sees only the slots serving its own requests."""
+
 
 class MetricsCompat(StrEnum):
     NONE = "none"
@@ -192,8 +196,9 @@ class ProxySettings(_Group):
     upstream_read_timeout_s: float = Field(default=60.0, gt=0)
     """Once the server's response has started, a stream that receives no byte for this long ends with its
     protocol's error event. Must exceed the server's `--sse-ping-interval` (a spawned server gets a third of this).
-    A request whose response has not started ends when kvctl's own poll of `/kv` has failed for this long, and a
-    spawned server whose main loop has not answered for this long is killed and restarted."""
+    A spawned server whose main loop has not answered kvctl's poll of `/kv` for this long is killed and restarted,
+    and the requests it had not answered are sent again to the new one; an attached server's unanswered requests
+    wait `replay_timeout_s` longer for it, then end with 504 `upstream_timeout`."""
 
     drain_s: float = Field(default=15.0, ge=0)
     """On SIGTERM: seconds open requests get to finish (new ones get 503) before the rest end with an error event and
@@ -211,9 +216,10 @@ class ProxySettings(_Group):
     estimate (exact for token ids, one token per 3 bytes of text) when larger, since it is not tokenized yet."""
 
     expose_private_routes: bool = False
-    """Pass `GET /slots`, `GET /kv` and `POST /slots/...` through the public listener. Off: a client could otherwise
-    park someone else's chat, read other users' requests or renew the controller's lease. The server's `/metrics`
-    is never relayed."""
+    """Pass `GET /kv` and the slot actions (`POST /slots/N?action=...`) through the public listener. Off (the
+    default): they are refused with 403 naming the admin port, since a park or an erase behind the controller's back
+    would corrupt its picture of the pool. `GET /slots` is relayed either way, under the server's own authentication
+    (with several keys, each sees only its own requests' slots). The server's `/metrics` is never relayed."""
 
     client_priority: bool = True
     """Without `api_keys`: whether clients may set their requests' priority (the body's `priority`, `X-Priority`,
@@ -239,9 +245,8 @@ class ProxySettings(_Group):
                 out.append(parse_key_entry(entry.get_secret_value(), where))
             else:
                 table = {"key": entry.key.get_secret_value(), "name": entry.name or where}
-                out.append(
-                    parse_key_entry({**table, "priority": entry.priority, "max_priority": entry.max_priority}, where)
-                )
+                extra = {"priority": entry.priority, "max_priority": entry.max_priority, "operator": entry.operator}
+                out.append(parse_key_entry({**table, **extra}, where))
         if self.api_keys_file is not None:
             out.extend(read_key_file(self.api_keys_file))
         KeyRing(out)  # names unique
@@ -257,8 +262,11 @@ class ProxySettings(_Group):
     end with the error event as before. Requests the server had not answered are sent again from the start."""
 
     replay_timeout_s: float = Field(default=120.0, gt=0)
-    """How long an interrupted stream waits (with heartbeats) for the server to answer `/health` again before its
-    continuation is sent; past it, or past `replay_limit`, the client gets its protocol's error event."""
+    """How long a request waits for a server that is coming back (kvctl restarting the server it spawned, the server
+    loading its model, an attached server that answered before and stopped answering): an interrupted stream before
+    its continuation is sent, a new request in the admission queue (with heartbeats once streaming), any other
+    request before it is relayed. Past it the client gets 503 `server_restarting` (an error event once streaming);
+    an interrupted stream also ends past `replay_limit`. `queue_timeout_s` still bounds the whole wait."""
 
     replay_memory_mib: int = Field(default=64, ge=0)
     """Memory for what replay keeps, all streams together: each request's body and the ids of the tokens its

@@ -2,12 +2,19 @@
 
 The gate is set by the control loop (from its latest /kv snapshot and the policy); the proxy
 only reads it. Without a controller the gate stays open.
+
+Besides the policy's hold, the gate knows the server's state: **coming back** (kvctl restarts the server it
+spawned, the spawned server loads its model, an attached server that answered before stopped answering), when
+new requests wait in the queue in their normal order, each for at most ``restart_timeout_s`` (the proxy's
+``replay_timeout_s``) of the outage, then get :class:`RestartTimeout`; or **refused** (an attached server that never
+answered, a spawned one the supervisor gave up on), when every request gets :class:`Refused` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +28,19 @@ class QueueFull(Exception):
 
 class QueueTimeout(Exception):
     """A request waited longer than the queue timeout."""
+
+
+class RestartTimeout(Exception):
+    """The server did not come back within the restart bound of this request's wait."""
+
+
+class Refused(Exception):
+    """The server is not coming back: every waiting request ends at once, with the gate's reason and code."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
 
 
 class AdmissionGate:
@@ -42,12 +62,17 @@ class AdmissionGate:
         self._admitted: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)  # (monotonic, cells)
         self._changed = asyncio.Event()
         self.refuse_reason: str | None = None
-        """Set while new requests must be refused at once (the server is down or not answering)."""
+        """Set while new requests must be refused at once (the server is not coming back), with ``refuse_code``."""
+        self.refuse_code: str = "upstream_unavailable"
+        self.down_since: float | None = None
+        """Monotonic time since which the server is coming back (restarting, loading); None while it answers."""
         self.on_wait: Callable[[], object] | None = None
         """Called when a request starts waiting: a fresh poll may open the gate sooner than the next tick."""
 
     @property
     def hold_reason(self) -> str | None:
+        if self.down_since is not None:
+            return "llama-server is restarting"
         if self._reason is not None:
             return self._reason
         if self._allowance is not None and self._allowance <= 0:
@@ -90,8 +115,48 @@ class AdmissionGate:
         self._empty = empty
         self._min_priority = min_priority
         if self.hold_reason is None:
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._wake()
+
+    def server_down(self, since: float | None = None) -> None:
+        """The server is coming back: new requests wait (bounded) instead of being refused."""
+        was = self.down_since, self.refuse_reason
+        if self.down_since is None:
+            self.down_since = time.monotonic() if since is None else since
+        self.refuse_reason = None
+        if was != (self.down_since, self.refuse_reason):
+            self._wake()
+
+    def refuse(self, reason: str, code: str) -> None:
+        """The server is not coming back: every request, new or waiting, is refused at once with ``reason``."""
+        changed = self.refuse_reason != reason
+        self.refuse_reason, self.refuse_code, self.down_since = reason, code, None
+        if changed:
+            self._wake()
+
+    def server_up(self) -> None:
+        """The server answers: the policy's verdicts (``update``) decide again."""
+        changed = self.down_since is not None or self.refuse_reason is not None
+        self.down_since = None
+        self.refuse_reason = None
+        if changed:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        """Until the server answers again (True), is refused or ``timeout_s`` passes (False); at once when it
+        answers now."""
+        deadline = time.monotonic() + timeout_s
+        while self.down_since is not None and self.refuse_reason is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+        return self.refuse_reason is None
 
     def take(self, cells: int = 0, priority: int = 0) -> bool:
         """One admission of a request whose prompt needs ``cells``, of (effective) ``priority``, if the gate lets it
@@ -149,11 +214,13 @@ class AdmissionQueue:
         timeout_s: float,
         max_wait_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        restart_timeout_s: float = 120.0,
     ) -> None:
         self.gate = gate
         self.depth = depth
         self.timeout_s = timeout_s
         self.max_wait_s = max_wait_s
+        self.restart_timeout_s = restart_timeout_s
         self._clock = clock
         self._waiters: list[_Waiter] = []
         self._seq = 0
@@ -193,8 +260,10 @@ class AdmissionQueue:
         return w.priority, w.cells, max(0.0, self._clock() - w.since)
 
     async def admit(self, cells: int = 0, priority: int = 0) -> None:
-        """Return when a request needing ``cells``, of ``priority``, may go upstream; raise QueueFull or
-        QueueTimeout."""
+        """Return when a request needing ``cells``, of ``priority``, may go upstream; raise QueueFull, QueueTimeout,
+        RestartTimeout (the server did not come back in time) or Refused (it is not coming back)."""
+        if self.gate.refuse_reason is not None:
+            raise Refused(self.gate.refuse_reason, self.gate.refuse_code)
         if not self._waiters and self.gate.take(cells, priority):
             return
         if len(self._waiters) >= self.depth:
@@ -226,6 +295,7 @@ class AdmissionQueue:
         asked: _Waiter | None = None
         while True:
             self._waiters = [w for w in self._waiters if not w.fut.done()]  # clients that left, or timed out
+            next_expiry = self._end_held()
             head = self._head()
             if head is None:
                 return
@@ -240,10 +310,39 @@ class AdmissionQueue:
             gate_changed = asyncio.ensure_future(self.gate.wait_changed())
             reordered = asyncio.ensure_future(self._reordered.wait())
             try:
-                await asyncio.wait((gate_changed, reordered), return_when=asyncio.FIRST_COMPLETED)
+                timeout = None if next_expiry is None else max(0.0, next_expiry - self._clock())
+                await asyncio.wait((gate_changed, reordered), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gate_changed.cancel()
                 reordered.cancel()
+
+    def _end_held(self) -> float | None:
+        """While the server is refused, every waiter ends; while it is coming back, those held past the restart
+        bound (counted from their arrival or the outage's start, whichever is later) end. Returns when the next
+        held waiter's bound ends (the queue's clock), None when none is held."""
+        gate = self.gate
+        if gate.refuse_reason is not None:
+            for w in self._waiters:
+                if not w.fut.done():
+                    w.fut.set_exception(Refused(gate.refuse_reason, gate.refuse_code))
+            return None
+        if gate.down_since is None:
+            return None
+        # the gate's clock is the monotonic one; the queue's may be a test's: count the outage in the queue's
+        down_for = time.monotonic() - gate.down_since
+        start = self._clock() - down_for
+        now = self._clock()
+        nearest: float | None = None
+        for w in self._waiters:
+            if w.fut.done():
+                continue
+            expiry = max(w.since, start) + self.restart_timeout_s
+            if expiry <= now:
+                message = f"llama-server is restarting and did not come back within {self.restart_timeout_s:g} s"
+                w.fut.set_exception(RestartTimeout(message))
+            elif nearest is None or expiry < nearest:
+                nearest = expiry
+        return nearest
 
     async def close(self) -> None:
         if self._pump is not None:

@@ -60,6 +60,7 @@ from controller.proxy.owners import Ownership
 from controller.proxy.priority import PRIORITY_HEADER, InvalidPriority, Priority, PriorityRules, resolve_priority
 from controller.proxy.relay import Relay
 from controller.proxy.replay import Replay
+from controller.proxy.restart import MODELS_PATHS, ModelsCache, loading_response
 from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.transcript import ReplayMemory
 from controller.proxy.waiting import Admission, AdmissionRefused
@@ -87,7 +88,13 @@ class Proxy:
     def __init__(self, config: ProxyConfig, gate: AdmissionGate, registry: CollectorRegistry) -> None:
         self.config = config
         self.gate = gate
-        self.queue = AdmissionQueue(gate, config.queue_depth, config.queue_timeout_s, config.priority_max_wait_s)
+        self.queue = AdmissionQueue(
+            gate,
+            config.queue_depth,
+            config.queue_timeout_s,
+            config.priority_max_wait_s,
+            restart_timeout_s=config.replay_timeout_s,
+        )
         self.priority_rules = PriorityRules(config.client_priority, config.objective_priorities)
         self.metrics = ProxyMetrics(registry)
         self.state = ServerState()
@@ -100,7 +107,10 @@ class Proxy:
         writer = Writer(config, self.metrics)
         cors = Cors(self.upstream, gate)
         self.errors = Errors(config, self.metrics, self.routes, cors.headers, writer, self.state)
-        self.front = FrontDoor(config, self.upstream, self.routes, self.keys, self.metrics, self.errors, self.state)
+        self.front = FrontDoor(
+            config, self.upstream, self.routes, self.keys, self.metrics, self.errors, self.state, gate
+        )
+        self.models_cache = ModelsCache()
         self.admission = Admission(config, gate, self.queue, self.metrics, writer, self.errors, self.upstream)
         self.replay = Replay(
             config, self.upstream, writer, self.metrics, self.state, self.replay_memory, self.ownership.completion_ids
@@ -108,6 +118,7 @@ class Proxy:
         self.relay = Relay(
             config, self.upstream, writer, self.errors, self.replay, self.ownership, self.tracker, self.metrics
         )
+        self.relay.models_cache = self.models_cache
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._idle = asyncio.Event()
         self._idle.set()
@@ -176,7 +187,8 @@ class Proxy:
         return self.tracker.end(Stop.FAILED)
 
     def end_waiting(self) -> int:
-        """End every request still waiting for the server's response to start (the server stopped answering)."""
+        """End every request still waiting for the server's response to start (an attached server stopped answering
+        and did not come back within proxy.replay_timeout_s)."""
         return self.tracker.end(Stop.HUNG, Phase.UPSTREAM)
 
     def priority_class_of(self, priority: int) -> str:
@@ -230,6 +242,10 @@ class Proxy:
         route = self.routes.lookup(request.method, request.path)
         if self.front.is_metrics(request, route):
             return await self.front.endpoint_metrics(request), None
+        if route is not None and route.kind is Kind.PUBLIC and self.gate.down_since is not None:
+            # while the server comes back: its own answer while it loads, so a router sends elsewhere
+            self.metrics.count(request.path, 503)
+            return loading_response(await self.errors.cors(request)), None
         ident = await self.front.authenticate(request)
         if isinstance(ident, AskServer):
             return await self.passthrough(RequestContext(request, None, asset_probe=True)), None
@@ -241,11 +257,36 @@ class Proxy:
         ctx = RequestContext(request, route, ident)
         if route is not None and route.kind is Kind.GENERATION:
             return await self.generation(ctx, route), ident
+        held = await self.hold(ctx)
+        if held is not None:
+            return held, ident
+        if route is not None and route.kind is Kind.SLOTS:
+            ctx.slots_view = True
         if route is not None and route.kind is Kind.CONTROL:
             return await self.control(ctx), ident
         if route is not None and route.kind is Kind.CONVERSATION and self.ownership.several_keys:
             return await self.scoped(ctx, route), ident
         return await self.passthrough(ctx), ident
+
+    async def hold(self, ctx: RequestContext) -> web.StreamResponse | None:
+        """A request that is not a generation, while the server is coming back: the model list as the server last
+        answered it, else a wait for the server (proxy.replay_timeout_s). None: go on now."""
+        if self.gate.down_since is None:
+            return None
+        route, request = ctx.route, ctx.request
+        if route is not None and route.path in MODELS_PATHS and request.method == "GET" and not request.query_string:
+            cached = self.models_cache.response(route.path, await self.errors.cors(request))
+            if cached is not None:
+                self.metrics.count(request.path, 200)
+                return cached
+        if await self.gate.wait_up(self.config.replay_timeout_s):
+            return None
+        if self.gate.refuse_reason is not None:
+            code = self.gate.refuse_code
+            return await self.errors.kvctl_error(
+                request, 503, self.gate.refuse_reason, code, self.errors.retry_after(code)
+            )
+        return await self.errors.restarting(request)
 
     async def passthrough(self, ctx: RequestContext, body: bytes | None = None) -> web.StreamResponse:
         """Anything that is not a generation: relayed as it is, streamed, with its encodings untouched."""
@@ -253,6 +294,8 @@ class Proxy:
         ctx.body = await request.read() if body is None else body
         # an asset probe (kvctl's keys, none given) carries no credential: the headers drop kvctl's keys
         ctx.headers = self.upstream.headers(ctx, generation=False)
+        if ctx.slots_view:
+            ctx.headers["Accept-Encoding"] = "identity"  # kvctl reads the answer (proxy/slots.py)
         ctx.raw = route is not None and route.kind is Kind.CONVERSATION and request.method == "GET"
         return await self.relay.forward(ctx)
 
@@ -300,8 +343,9 @@ class Proxy:
             # wait in the admission queue for a slot it would never use
             return await self.relay.forward(ctx)
         if self.gate.refuse_reason is not None:
+            code = self.gate.refuse_code
             return await self.errors.kvctl_error(
-                request, 503, self.gate.refuse_reason, Code.UPSTREAM_UNAVAILABLE, self.config.retry_after_s
+                request, 503, self.gate.refuse_reason, code, self.errors.retry_after(code)
             )
         ctx.owner = ident.name if ident is not None and self.ownership.several_keys else None
         if body.conversation and ctx.owner is not None and not self.ownership.claim(body.conversation, ctx.owner):
@@ -317,6 +361,7 @@ class Proxy:
         """The generation from its place in the admission queue to the end of its response."""
         assert ctx.request_id is not None
         entry = ctx.track(body.route.path)
+        entry.key = ctx.ident.name if ctx.ident is not None else None
         self.inflight[ctx.request_id] = entry
         self.metrics.inflight.inc()
         log.info(

@@ -77,6 +77,12 @@ class ServerCheck:
             task.add_done_callback(lambda t: self._done(key, t))
         return await asyncio.shield(task)
 
+    def last(self, headers: Mapping[str, str]) -> Answer | None:
+        """The server's last answer (200 or 401) for this credential, however old: what holds while the server is
+        coming back and cannot be asked (it cannot have changed its keys meanwhile without answering again)."""
+        hit = self._cache.get(self._cache_key(headers))
+        return hit[1] if hit is not None else None
+
     def _done(self, key: bytes, task: asyncio.Future[Answer]) -> None:
         self._pending.pop(key, None)
         if task.cancelled() or task.exception() is not None:

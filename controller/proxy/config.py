@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from controller.keys import ApiKey
-from controller.settings import PolicySettings, ProxySettings, Settings, UpstreamSettings
+from controller.settings import PolicySettings, ProxySettings, Settings, UpstreamSettings, split_host_port
 
 __all__ = ["ProxyConfig"]
 
@@ -49,6 +49,7 @@ class ProxyConfig:
     replay_limit: int = _default(ProxySettings, "replay_limit")  # continuations of a stream whose server died; 0: off
     replay_timeout_s: float = _default(ProxySettings, "replay_timeout_s")
     replay_memory_bytes: int = _default(ProxySettings, "replay_memory_mib") << 20
+    admin_port: int | None = None  # kvctl's admin API, named where a client asks the proxy for a controller route
 
     @classmethod
     def from_settings(cls, settings: Settings, predict_route: str | None = None) -> ProxyConfig:
@@ -79,4 +80,5 @@ class ProxyConfig:
             replay_limit=p.replay_limit,
             replay_timeout_s=p.replay_timeout_s,
             replay_memory_bytes=p.replay_memory_mib << 20,
+            admin_port=split_host_port(settings.admin.listen)[1],
         )

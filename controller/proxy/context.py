@@ -98,6 +98,7 @@ class Inflight:
     route: str
     t_start: float
     state: Phase = Phase.QUEUED
+    key: str | None = None  # the name of the kvctl key that sent it (GET /slots shows a tenant its own)
     ended: asyncio.Future[Stop] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Set (to the reason) when kvctl ends the request itself: a hung server, a shutdown."""
     upstream: aiohttp.ClientResponse | None = None
@@ -138,6 +139,12 @@ class ServerState:
     restarts: Callable[[], int] | None = None
     """The supervisor's restart count when kvctl spawned the server: a hung server's streams wait for its restart."""
     draining: bool = False
+    comes_back: Callable[[], bool] | None = None
+    """Whether a server that does not answer now is expected back (spawned and not given up on, or attached and
+    answered before); set by the App. None (a proxy without a controller): it is not, and is answered at once."""
+
+    def expected_back(self) -> bool:
+        return self.failed is None and self.comes_back is not None and self.comes_back()
 
 
 @dataclass(eq=False)
@@ -156,6 +163,7 @@ class RequestContext:
     query: str | None = None  # the query string to send instead of the client's
     raw: bool = False  # relayed byte for byte, nothing of kvctl's own (a conversation stream)
     asset_probe: bool = False  # kvctl's keys and none given: the server's 404 becomes a 401
+    slots_view: bool = False  # GET /slots: the server's answer as this client may see it (proxy/slots.py)
     resend: bool = False  # sent again when the server died before answering (replay is on)
     entry: Inflight | None = None  # what kvctl can end from outside
     response: web.StreamResponse | None = None  # the client's, once prepared (early: by admission's heartbeats)

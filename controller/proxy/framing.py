@@ -86,10 +86,30 @@ class Errors:
         )
 
     def unreachable(self, error: BaseException) -> tuple[str, Code]:
-        """What a client is told when the server cannot be reached: why it is not coming back, once it is not."""
+        """What a client is told when the server cannot be reached: why it is not coming back, once it is not. Never
+        the server's address or the exception (the caller logs those)."""
         if self.state.failed is not None:
             return self.state.failed, Code.SERVER_FAILED
-        return f"llama-server is unreachable: {error}", Code.UPSTREAM_UNAVAILABLE
+        if self.state.expected_back():
+            return self._restarting_message(), Code.SERVER_RESTARTING
+        return "llama-server is unreachable", Code.UPSTREAM_UNAVAILABLE
+
+    def _restarting_message(self) -> str:
+        return f"llama-server is restarting and did not come back within {self.config.replay_timeout_s:g} s"
+
+    async def restarting(self, request: web.Request) -> web.Response:
+        """503 for a request that waited proxy.replay_timeout_s for the server to come back."""
+        message, code = self._restarting_message(), Code.SERVER_RESTARTING
+        return await self.kvctl_error(request, 503, message, code, self.retry_after(code))
+
+    async def private_route(self, request: web.Request) -> web.Response:
+        """403 for a controller route on the client port: it is on kvctl's admin API."""
+        where = f"port {self.config.admin_port}" if self.config.admin_port is not None else "its own listener"
+        message = (
+            f"{request.method} {request.path} is the controller's: use kvctl's admin API ({where}: GET /status, "
+            "POST /slots/{id}/park, POST /slots/{id}/resume)"
+        )
+        return await self.kvctl_error(request, 403, message, Code.PRIVATE_ROUTE)
 
     def stream_error(self, ctx: RequestContext, end: End) -> tuple[int, str, Code]:
         """The status, message and code of the error event that ends a started stream."""
@@ -100,7 +120,7 @@ class Errors:
         elif stop is not None:
             message, code = self.end_message(stop)
         else:
-            message, code = f"llama-server went away mid-stream: {end}", Code.UPSTREAM_DISCONNECTED
+            message, code = "llama-server went away mid-stream", Code.UPSTREAM_DISCONNECTED
         return (503 if code == Code.SERVER_FAILED else status), message, code
 
     async def kvctl_error(

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -19,7 +20,7 @@ from controller.errors import Code, error_headers, proxy_error_response
 from controller.httputil import unsupported_expect
 from controller.keys import Identity, KeyRing
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.auth import PUBLIC_PATHS, ServerCheck
+from controller.proxy.auth import PUBLIC_PATHS, Answer, ServerCheck
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import ServerState
 from controller.proxy.endpoint_metrics import CONTENT_TYPE, EndpointMetrics
@@ -30,6 +31,8 @@ from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.routes import Kind, Route, RouteTable
 
 __all__ = ["AskServer", "Cors", "FrontDoor"]
+
+log = structlog.get_logger("kvctl.proxy")
 
 
 class Cors:
@@ -84,8 +87,10 @@ class FrontDoor:
         metrics: ProxyMetrics,
         errors: Errors,
         state: ServerState,
+        gate: AdmissionGate | None = None,
     ) -> None:
         self.config = config
+        self.gate = gate or AdmissionGate()
         self.routes = routes
         self.keys = keys
         self.metrics = metrics
@@ -158,11 +163,9 @@ class FrontDoor:
             return AskServer() if asset else await self.errors.unauthorized(request)
         if self.server_check is None or asset:
             return Identity(None)
-        try:
-            answer = await self.server_check.check(request.headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            message, code = self.errors.unreachable(e)
-            return await self.errors.kvctl_error(request, 503, message, code, self.errors.retry_after(code))
+        answer = await self._ask_server(request)
+        if not isinstance(answer, Answer):
+            return answer
         if answer.status == 200:
             return Identity(None)
         if answer.status == 401:
@@ -172,6 +175,32 @@ class FrontDoor:
         headers = CIMultiDict((k, v) for k, v in answer.headers if not k.lower().startswith("access-control-"))
         headers.update(await self.errors.cors(request))
         return web.Response(status=answer.status, body=answer.body, headers=headers)
+
+    async def _ask_server(self, request: web.Request) -> Answer | web.Response:
+        """The server's answer about the client's credential. While the server is coming back: its last answer for
+        that credential, else a wait for it (proxy.replay_timeout_s) and the question again."""
+        assert self.server_check is not None
+        for attempt in (1, 2):
+            try:
+                answer = await self.server_check.check(request.headers)
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                log.warning("upstream.unreachable", during="credential check", error=str(e))
+                answer = None
+                error: BaseException = e
+            down = answer is None or (answer.status == 503 and self.gate.down_since is not None)
+            if not down:
+                return answer  # type: ignore[return-value]
+            if not (self.gate.down_since is not None or self.state.expected_back()):
+                break
+            known = self.server_check.last(request.headers)
+            if known is not None:
+                return known
+            if attempt == 1 and not await self.gate.wait_up(self.config.replay_timeout_s):
+                return await self.errors.restarting(request)
+        if answer is not None:
+            return answer
+        message, code = self.errors.unreachable(error)
+        return await self.errors.kvctl_error(request, 503, message, code, self.errors.retry_after(code))
 
     async def turn_away(self, request: web.Request, route: Route | None) -> web.Response | None:
         """An authenticated request the listener does not take now (draining, the server not coming back) or at all
@@ -183,6 +212,5 @@ class FrontDoor:
         if self.state.failed is not None:
             return await self.errors.failed_error(request)
         if route is not None and route.kind is Kind.PRIVATE and not self.config.expose_private_routes:
-            message = f"no route {request.method} {request.path} on the public listener"
-            return await self.errors.kvctl_error(request, 404, message, Code.NOT_FOUND)
+            return await self.errors.private_route(request)
         return None

@@ -26,6 +26,9 @@ from controller.proxy.framing import Errors, error_event, error_from_body
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Ownership
 from controller.proxy.replay import Replay
+from controller.proxy.restart import MODELS_PATHS, ModelsCache, loading_response
+from controller.proxy.routes import Kind
+from controller.proxy.slots import slots_view
 from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 from controller.proxy.transcript import ANNOUNCE_HEADER
 from controller.proxy.writer import Writer, abort
@@ -68,6 +71,8 @@ class Relay:
         self.ownership = ownership
         self.tracker = tracker
         self.metrics = metrics
+        self.models_cache: ModelsCache | None = None
+        """Where the model list's answers are kept for a restart (set by the coordinator)."""
 
     async def forward(self, ctx: RequestContext) -> web.StreamResponse:
         """Send the request, relay its response; a client that hangs up closes the upstream connection."""
@@ -88,7 +93,9 @@ class Relay:
             if entry.stop is not None:  # kvctl ended it while it waited to be sent again (the server failed)
                 return await self.errors.ended_before_start(ctx, entry.stop)
             self.metrics.stream_errors.labels(stage="connect").inc()
-            log.warning("upstream.unreachable", request_id=ctx.request_id, error=str(e))
+            log.warning("upstream.unreachable", request_id=ctx.request_id, path=ctx.request.path, error=str(e))
+            if ctx.route is not None and ctx.route.kind is Kind.PUBLIC and self.replay.state.expected_back():
+                return loading_response(await self.errors.cors(ctx.request))  # the server's answer while it loads
             return await self.errors.unavailable(ctx, *self.errors.unreachable(e))
         entry.upstream = upstream
         entry.state = Phase.STREAMING  # the response has started: from here the read timeout applies
@@ -124,6 +131,8 @@ class Relay:
         else:
             if ctx.lookup_owner is not None:
                 return await self._lookup(ctx, upstream, ctx.lookup_owner)
+            if upstream.status == 200 and (ctx.slots_view or self._cacheable(ctx)):
+                return await self._whole(ctx, upstream)
             resp = web.StreamResponse(
                 status=upstream.status,
                 reason=upstream.reason,
@@ -136,6 +145,34 @@ class Relay:
         await self.relay_events(ctx, upstream)
         assert ctx.response is not None
         return ctx.response
+
+    def _cacheable(self, ctx: RequestContext) -> bool:
+        route, request = ctx.route, ctx.request
+        return (
+            self.models_cache is not None
+            and route is not None
+            and route.path in MODELS_PATHS
+            and request.method == "GET"
+            and not request.query_string
+        )
+
+    async def _whole(self, ctx: RequestContext, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """A small JSON answer read whole: the slots as this client may see them, or the model list (kept for a
+        restart)."""
+        data = await self.upstream.read_all(upstream)
+        if data is None:
+            return await self.errors.kvctl_error(
+                ctx.request, 502, "llama-server went away mid-answer", Code.UPSTREAM_DISCONNECTED
+            )
+        headers = Upstream.response_headers(upstream, ctx.client_request_id, ctx.request_id, keep_length=False)
+        if ctx.slots_view:
+            several = self.ownership.several_keys
+            data = slots_view(data, ctx.ident, several, self.tracker.inflight)
+        elif self.models_cache is not None and ctx.route is not None:
+            self.models_cache.store(ctx.route.path, data, headers)
+        resp = web.Response(status=upstream.status, reason=upstream.reason, body=data, headers=headers)
+        ctx.response = resp
+        return resp
 
     async def _lookup(self, ctx: RequestContext, upstream: aiohttp.ClientResponse, owner: str) -> web.StreamResponse:
         """POST /v1/streams/lookup with several keys: only the conversations this key started (a small JSON list)."""

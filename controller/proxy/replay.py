@@ -24,6 +24,7 @@ from controller.proxy.framing import error_from_body
 from controller.proxy.inspection import GenerationBody, one_completion
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Owners
+from controller.proxy.routes import Kind
 from controller.proxy.sse import has_data
 from controller.proxy.transcript import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
 from controller.proxy.writer import Writer
@@ -65,8 +66,9 @@ class Replay:
         ctx.resend = on and not body.conversation
 
     async def open(self, ctx: RequestContext) -> Opened:
-        """Send the request. Sent, and the server died before it answered (not: nothing listens, which is answered
-        at once): the client has seen nothing of it, so it is sent again once the server is back."""
+        """Send the request. Nothing listened (any request) while the server is expected back, or sent and the
+        server died before it answered (a generation, replay on): the client has seen nothing of it, so it is sent
+        again once the server is back. A server not expected back is answered at once."""
         assert ctx.entry is not None
         resends = 0
         deadline: float | None = None
@@ -74,7 +76,12 @@ class Replay:
             try:
                 return await self.upstream.send(ctx, ctx.body)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                if not ctx.resend or isinstance(e, aiohttp.ClientConnectorError) or resends >= self.config.replay_limit:
+                refused = isinstance(e, aiohttp.ClientConnectorError)
+                public = ctx.route is not None and ctx.route.kind is Kind.PUBLIC  # a health probe: answered at once
+                if refused and (public or not self.state.expected_back()):
+                    raise
+                limit = self.config.replay_limit if not refused else max(1, self.config.replay_limit)
+                if not (ctx.resend or refused) or resends >= limit:
                     raise
                 if deadline is None:
                     deadline = time.monotonic() + self.config.replay_timeout_s

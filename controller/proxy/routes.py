@@ -6,12 +6,14 @@ The table mirrors the registrations in llama.cpp ``tools/server/server.cpp`` at 
 
 - ``GENERATION``: creates completion tasks, so it takes cells: admission, request-id tagging, heartbeats
   while queued or parked, errors in the route's own framing.
-- ``PRIVATE``: the controller's own routes (park/resume, occupancy, slots); refused on the public
-  listener unless ``proxy.expose_private_routes``.
+- ``PRIVATE``: the controller's own routes (slot actions, occupancy); refused (403, naming kvctl's admin
+  API) on the public listener unless ``proxy.expose_private_routes``.
 - ``PUBLIC``: the server answers it without credentials (``/health``, ``/v1/health``).
 - ``CONVERSATION``: the WebUI's resumable streams; relayed byte for byte, scoped to the key that
   started the conversation when kvctl holds several keys.
 - ``CONTROL``: acts on a running completion by its id; scoped like a conversation.
+- ``SLOTS``: ``GET /slots``, relayed under the server's authentication, each key seeing its own requests' slots
+  (``controller.proxy.slots``).
 - ``RELAY``: everything else, relayed as it is (status, headers and bytes, streamed).
 
 Anything the table does not name (the WebUI's static assets, a route a newer server adds) is relayed too:
@@ -33,6 +35,7 @@ class Kind(StrEnum):
     PUBLIC = "public"
     CONVERSATION = "conversation"
     CONTROL = "control"
+    SLOTS = "slots"
     RELAY = "relay"
 
 
@@ -88,7 +91,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/lora-adapters", R),
     Route("POST", "/lora-adapters", R),
     # the controller's routes
-    Route("GET", "/slots", P),
+    Route("GET", "/slots", Kind.SLOTS),
     Route("GET", "/kv", P),
     Route("POST", "/slots/:id_slot", P),
     # the WebUI's resumable streams

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from controller.errors import Code
-from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
+from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout, Refused, RestartTimeout
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import RequestContext
 from controller.proxy.forward import Upstream
@@ -36,7 +36,14 @@ class AdmissionRefused(Exception):
         self.code = code
 
 
-def _refused(e: QueueFull | QueueTimeout) -> AdmissionRefused:
+_QUEUE_ENDS = (QueueFull, QueueTimeout, RestartTimeout, Refused)
+
+
+def _refused(e: Exception) -> AdmissionRefused:
+    if isinstance(e, Refused):
+        return AdmissionRefused(e.message, e.code)
+    if isinstance(e, RestartTimeout):
+        return AdmissionRefused(str(e), Code.SERVER_RESTARTING)
     return AdmissionRefused(str(e), Code.QUEUE_FULL if isinstance(e, QueueFull) else Code.QUEUE_TIMEOUT)
 
 
@@ -64,6 +71,8 @@ class Admission:
         """Return once admitted; AdmissionRefused otherwise. ``ctx.response`` is set when the client got SSE
         headers while it waited."""
         cells = body.cells(self.config.reserve_cells)
+        if self.gate.refuse_reason is not None:
+            raise AdmissionRefused(self.gate.refuse_reason, self.gate.refuse_code)
         if self.queue.queued == 0 and self.gate.take(cells, priority):
             return
         self.metrics.queued.inc()
@@ -79,7 +88,7 @@ class Admission:
         admit.add_done_callback(lambda _: self.metrics.queued.dec())
         try:
             await asyncio.shield(admit)
-        except (QueueFull, QueueTimeout) as e:
+        except _QUEUE_ENDS as e:
             raise _refused(e) from e
         except asyncio.CancelledError:
             request = ctx.request
@@ -93,7 +102,7 @@ class Admission:
     async def _send_orphan(
         self, admit: asyncio.Future[None], method: str, url: str, body: bytes, headers: dict[str, str]
     ) -> None:
-        with contextlib.suppress(QueueFull, QueueTimeout):
+        with contextlib.suppress(*_QUEUE_ENDS):
             await admit
             await self.upstream.send_detached(method, url, body, headers)
 
@@ -111,7 +120,7 @@ class Admission:
                 if done:
                     try:
                         admit.result()
-                    except (QueueFull, QueueTimeout) as e:
+                    except _QUEUE_ENDS as e:
                         raise _refused(e) from e
                     return
                 if not stream:
@@ -120,7 +129,7 @@ class Admission:
                 if ctx.response is None:
                     ids = {"X-Request-Id": entry.client_request_id or entry.request_id}
                     await self.writer.prepare_sse(ctx, {**await self.errors.cors(ctx.request), **ids})
-                await self.writer.heartbeat(ctx, "queued")
+                await self.writer.heartbeat(ctx, "server restarting" if self.gate.down_since is not None else "queued")
         finally:
             if not admit.done():
                 admit.cancel()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout
+from controller.proxy.admission import AdmissionGate, AdmissionQueue, QueueFull, QueueTimeout, Refused, RestartTimeout
 from controller.proxy.inspection import estimate_prompt_cells
 
 
@@ -128,3 +128,89 @@ async def test_a_large_prompt_at_the_head_holds_back_smaller_ones_behind_it() ->
 )
 def test_prompt_cells_are_estimated_before_tokenizing(route: str, payload: dict[str, object], cells: int) -> None:
     assert estimate_prompt_cells(route, payload) == cells
+
+
+# --- while the server comes back --------------------------------------------------------------------
+
+
+async def test_while_the_server_comes_back_requests_wait_in_order_then_run() -> None:
+    gate = AdmissionGate()
+    gate.update(None)  # open
+    gate.server_down()
+    assert gate.hold_reason == "llama-server is restarting" and not gate.take()
+    queue = AdmissionQueue(gate, depth=10, timeout_s=10, restart_timeout_s=5)
+    order: list[int] = []
+
+    async def client(i: int) -> None:
+        await queue.admit()
+        order.append(i)
+
+    tasks = [asyncio.create_task(client(i)) for i in range(3)]
+    await asyncio.sleep(0.05)
+    assert order == [] and queue.queued == 3
+    gate.server_up()
+    gate.update(None, 3)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2], "in their normal order"
+
+
+async def test_a_request_held_past_the_restart_bound_ends_and_the_queue_bound_holds() -> None:
+    gate = AdmissionGate()
+    gate.server_down()
+    queue = AdmissionQueue(gate, depth=2, timeout_s=10, restart_timeout_s=0.3)
+    t0 = time.monotonic()
+    held = [asyncio.ensure_future(queue.admit()) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull):
+        await queue.admit()  # depth + 1: at once
+    assert time.monotonic() - t0 < 0.1
+    for fut in held:
+        with pytest.raises(RestartTimeout, match=r"did not come back within 0\.3 s"):
+            await fut
+    assert 0.25 <= time.monotonic() - t0 < 1.0
+
+
+async def test_the_restart_bound_counts_from_the_outage_for_requests_queued_before_it() -> None:
+    gate = AdmissionGate()
+    gate.update("no idle slot", 0)  # queued for the pool, not for a restart
+    queue = AdmissionQueue(gate, depth=2, timeout_s=10, restart_timeout_s=0.3)
+    fut = asyncio.ensure_future(queue.admit())
+    await asyncio.sleep(0.5)
+    assert not fut.done(), "a pool hold is bounded by the queue timeout only"
+    t0 = time.monotonic()
+    gate.server_down()
+    with pytest.raises(RestartTimeout):
+        await fut
+    assert 0.25 <= time.monotonic() - t0 < 1.0
+
+
+async def test_a_server_that_is_not_coming_back_ends_every_waiting_request_at_once() -> None:
+    gate = AdmissionGate()
+    gate.server_down()
+    queue = AdmissionQueue(gate, depth=10, timeout_s=10, restart_timeout_s=60)
+    held = [asyncio.ensure_future(queue.admit()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    gate.refuse("llama-server is not answering", "upstream_unavailable")
+    for fut in held:
+        with pytest.raises(Refused) as e:
+            await asyncio.wait_for(fut, 1)
+        assert e.value.code == "upstream_unavailable"
+    with pytest.raises(Refused):
+        await queue.admit()  # and the next one at once
+    gate.server_up()
+    gate.update(None)
+    await asyncio.wait_for(queue.admit(), 1)
+
+
+async def test_wait_up_returns_when_the_server_answers_or_at_the_bound() -> None:
+    gate = AdmissionGate()
+    assert await gate.wait_up(0.01), "up: at once"
+    gate.server_down()
+    t0 = time.monotonic()
+    assert not await gate.wait_up(0.1)
+    assert time.monotonic() - t0 >= 0.09
+    asyncio.get_running_loop().call_later(0.05, gate.server_up)
+    assert await gate.wait_up(5)
+    gate.server_down()
+    asyncio.get_running_loop().call_later(0.05, gate.refuse, "gone", "server_failed")
+    assert not await gate.wait_up(5)

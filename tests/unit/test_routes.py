@@ -36,7 +36,8 @@ def test_generation_routes_are_every_completion_route() -> None:
         )
     }
     private = {(r.method, r.path) for r in ROUTES if r.kind is Kind.PRIVATE}
-    assert private == {("GET", "/slots"), ("GET", "/kv"), ("POST", "/slots/:id_slot"), ("GET", "/metrics")}
+    assert private == {("GET", "/kv"), ("POST", "/slots/:id_slot"), ("GET", "/metrics")}
+    assert {(r.method, r.path) for r in ROUTES if r.kind is Kind.SLOTS} == {("GET", "/slots")}
 
 
 def test_lookup_with_prefix_parameters_and_predict_route() -> None:
