@@ -129,11 +129,18 @@ async def test_private_routes_are_refused(
 ) -> None:
     srv = start_server(*POOL, "--metrics")
     url = await start_proxy(srv.url)
-    for method, path in (("GET", "/slots"), ("GET", "/kv"), ("POST", "/slots/0?action=park"), ("GET", "/metrics")):
+    for method, path in (("GET", "/kv"), ("POST", "/slots/0?action=park"), ("POST", "/slots/0?action=erase")):
         async with http.request(method, url + path) as resp:
-            assert resp.status == 404, path
+            assert resp.status == 403, path
             body = await resp.json()
-            assert body["error"]["type"] == "not_found_error" and body["error"]["code"] == 404
+            assert body["error"]["type"] == "permission_error" and resp.headers["X-Kvctl-Error"] == "private_route"
+            assert "admin API" in body["error"]["message"]
+    async with http.get(url + "/metrics") as resp:
+        assert resp.status == 404, "no control loop feeds the endpoint gauges here; the server's are never relayed"
+    # the slot view is the server's, as a client reads it directly
+    async with http.get(srv.url + "/slots") as d, http.get(url + "/slots") as p:
+        assert p.status == d.status == 200
+        assert [s["id"] for s in await p.json()] == [s["id"] for s in await d.json()]
     opened = await start_proxy(srv.url, expose_private_routes=True)
     async with http.get(opened + "/kv") as resp:
         assert resp.status == 200

@@ -458,7 +458,7 @@ async def test_host_ram_short_kvctl_parks_by_recompute_and_every_request_complet
 # --- the server hung (a test double) ----------------------------------------------------------------
 
 
-async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_answers_503() -> None:
+async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_holds_requests() -> None:
     fake = FakeLlamaServer()
     fake.kv = kv_body(1000, [{}, {}])
     hung = asyncio.Event()
@@ -480,6 +480,7 @@ async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_answer
                 str(server.make_url("")).rstrip("/"),
                 upstream={"timeout_s": 0.3},
                 loop={"backoff_initial_s": 0.1, "backoff_max_s": 0.8},
+                proxy={"replay_timeout_s": 1.5},
             ) as (app, url, admin):
                 await wait_until(lambda: app.loop.state.upstream_up, 5, "the first poll")
                 hung.set()
@@ -500,12 +501,14 @@ async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_answer
                 assert samples(m, "kvctl_poll_errors_total", kind="UpstreamUnavailable") >= 3
                 assert samples(m, "kvctl_upstream_up") == 0
 
+                # it answered before: it is expected back, so a request waits for it, replay_timeout_s at most
                 t0 = time.monotonic()
-                out = await post_and_read(http, url + "/v1/chat/completions", chat(8, stream=True))
-                assert time.monotonic() - t0 < 1.0, "refused at once, not after a timeout"
+                out = await post_and_read(http, url + "/v1/chat/completions", chat(8, stream=False))
+                assert 1.4 <= time.monotonic() - t0 < 3.0, "held for proxy.replay_timeout_s, then answered"
                 assert out.status == 503 and out.headers["Retry-After"] == "2"
-                assert out.body["error"]["kvctl_code"] == "upstream_unavailable"
-                assert "not answering" in out.body["error"]["message"]
+                assert out.body["error"]["kvctl_code"] == "server_restarting"
+                assert "127.0.0.1" not in json.dumps(out.body) and "Error" not in json.dumps(out.body)
+                held = asyncio.ensure_future(post_and_read(http, url + "/v1/chat/completions", chat(8, stream=False)))
                 async with http.post(admin + "/slots/0/park") as resp:
                     assert resp.status == 503 and "Retry-After" in resp.headers
                 async with http.get(admin + "/healthz") as resp:
@@ -513,11 +516,14 @@ async def test_a_hung_server_polls_time_out_kvctl_backs_off_and_the_proxy_answer
                 async with http.get(admin + "/readyz") as resp:
                     assert resp.status == 503
 
+                assert not held.done()
                 hung.clear()
                 release.set()
                 await wait_until(lambda: app.loop.state.upstream_up, 5, "recovery")
                 await wait_until(lambda: app.loop.state.backoff_s is None, 2, "the back-off to end")
-                assert app.gate.refuse_reason is None
+                assert app.gate.refuse_reason is None and app.gate.down_since is None
+                out = await asyncio.wait_for(held, 5)
+                assert out.status == 404, "sent once the server answered (this fake has no chat route)"
                 assert app.loop.state.loop_restarts == 0
     finally:
         release.set()
