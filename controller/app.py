@@ -192,8 +192,12 @@ class App:
         verdict = self.loop.admission(self.settings.proxy.admission_reserve_cells)
         if verdict is None:
             failure = self.supervisor.status.failure if self.supervisor is not None else None
+            status = self.loop.state.last_error_status
             if failure is not None:
                 self.gate.refuse(failure, Code.SERVER_FAILED)
+            elif status is not None and status != 503:
+                # it answers, with an error that waiting does not mend (a wrong upstream.api_key: 401)
+                self.gate.refuse(f"llama-server answers kvctl's poll with HTTP {status}", Code.UPSTREAM_UNAVAILABLE)
             elif self._server_comes_back():
                 self.gate.server_down()  # new requests wait for it (proxy.replay_timeout_s), in their order
             else:

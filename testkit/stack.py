@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,10 @@ def start_stack(
     kvctl: Sequence[str] = KVCTL,
     log_path: Path | None = None,
     timeout_s: float = 30.0,
+    ready: bool = True,
 ) -> Iterator[str]:
-    """Yields the proxy's URL once kvctl is ready; kvctl's admin listener is at `stack_admin(url)`.
+    """Yields the proxy's URL once kvctl is ready (``ready=False``: once its proxy listens, the server perhaps still
+    loading); kvctl's admin listener is at `stack_admin(url)`.
 
     ``kvctl``: the command that is ``kvctl`` (an installed console script, say); ``extra``: more ``run`` arguments
     (``--spawn -- llama-server ...`` last). On the way out kvctl gets SIGTERM (and stops a server it spawned), then
@@ -65,6 +68,9 @@ def start_stack(
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvctl exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            if not ready:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", pport), timeout=2):
+                    break
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(f"http://127.0.0.1:{aport}/readyz", timeout=2) as r:
                     if r.status == 200:

@@ -21,6 +21,9 @@ class LoopState:
 
     upstream_up: bool = False
     last_error: str | None = None
+    last_error_status: int | None = None
+    """The HTTP status of the last failed poll's answer (a 503 while loading, a 401 for a wrong key); None when the
+    poll was answered fine or not at all."""
     polls: int = 0
     last_poll_monotonic: float | None = None
     last_answer_monotonic: float | None = None

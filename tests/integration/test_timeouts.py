@@ -109,12 +109,13 @@ async def test_a_hung_spawned_server_is_killed_and_restarted(
         assert pid is not None
         os.killpg(pid, signal.SIGSTOP)  # SIGKILL still ends a stopped process: no SIGCONT needed
         t0 = time.monotonic()
-        # a request whose response has not started when the server hangs: no per-request timer, the poll's
+        # a request whose response has not started when the server hangs: no per-request timer, the poll's; the
+        # server is killed, and the request, never answered, is sent again to the new one
         async with http.post(url + "/completion", json=request("hung", 8)) as resp:
             body = await resp.json()
-        assert resp.status == 503 and body["error"]["kvctl_code"] == "upstream_timeout", body
-        assert 3.0 <= time.monotonic() - t0 < 15
-        await wait_until(lambda: sup.status.restarts == 1 and sup.status.pid != pid, 30, "the restart")
+        assert resp.status == 200 and body["tokens_predicted"] == 8, body
+        assert time.monotonic() - t0 >= 3.0, "answered by the restarted server"
+        assert sup.status.restarts == 1 and sup.status.pid != pid
         assert sup.status.last_exit is not None and sup.status.last_exit.returncode == -signal.SIGKILL
         await wait_until(lambda: app.loop.state.upstream_up, 60, "the restarted server")
         async with http.post(url + "/completion", json=request("back", 8)) as resp:

@@ -26,6 +26,8 @@ from controller.proxy.app import PROXY_KEY, Proxy, make_proxy_app
 from controller.proxy.config import ProxyConfig
 from controller.proxy.restart import LOADING_BODY
 from testkit.llama import free_port
+from tests.fakes.llama_server import FakeLlamaServer, error
+from tests.harness import FAST_LOOP, running_app
 
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
 LEAKS = re.compile(r"127\.0\.0\.1:|localhost:|\b[A-Z][A-Za-z]*(Error|Exception)\b|Errno|errno")
@@ -251,6 +253,13 @@ async def test_a_server_that_died_since_the_last_poll_is_waited_for(
             assert r.status == 200
 
 
+async def wait_until(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
 def leaks(text: str) -> list[str]:
     return [m.group(0) for m in LEAKS.finditer(text)]
 
@@ -373,3 +382,35 @@ def test_the_slots_view_leaves_a_body_it_cannot_read_alone_but_not_for_a_tenant(
     assert json.loads(slots_view(b'[{"id": 0, "request_id": null}]', Identity(None), False, {})) == [
         {"id": 0, "request_id": None}
     ]
+
+
+async def test_a_server_answering_polls_with_an_error_that_waiting_does_not_mend_is_refused_at_once(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A wrong upstream.api_key: the server answers every poll with 401. It is not coming back by waiting."""
+    fake = FakeLlamaServer()
+    fake.queue("GET /kv", *[error(401, "authentication_error", "Invalid API Key")] * 10_000)
+    async with running_app(fake, loop=FAST_LOOP) as (app, url, _):
+        await wait_until(lambda: app.gate.refuse_reason is not None, 5, "the first poll")
+        t0 = asyncio.get_running_loop().time()
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            body = await r.json()
+            assert r.status == 503 and r.headers["X-Kvctl-Error"] == "upstream_unavailable"
+            assert "HTTP 401" in body["error"]["message"] and not leaks(json.dumps(body))
+        assert asyncio.get_running_loop().time() - t0 < 1
+
+
+async def test_kvctl_holds_requests_from_its_start_until_an_attached_server_first_answers(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Before the first poll nothing is known: a request waits for it, and is refused only once it finds no server
+    that ever answered."""
+    port = free_port()
+    async with running_app(f"http://127.0.0.1:{port}", loop=FAST_LOOP) as (app, url, admin):
+        await wait_until(lambda: app.gate.refuse_reason is not None, 5, "the first poll")
+        async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+            body = await r.json()
+            assert r.status == 503 and r.headers["X-Kvctl-Error"] == "upstream_unavailable"
+            assert body["error"]["message"] == "kvctl: llama-server is not answering", body
+        async with http.get(admin + "/status") as r:
+            assert "Cannot connect" in json.dumps(await r.json()), "the details are the operator's, on /status"
