@@ -175,10 +175,10 @@ async def test_bad_input_and_private_routes(
         assert resp.status == 413
     async with http.get(url + "/no/such/route") as resp:
         assert resp.status in (404,)
-    for method, path in (("POST", "/slots/0?action=park"), ("GET", "/slots"), ("GET", "/kv"), ("GET", "/metrics")):
+    for method, path, status in (("POST", "/slots/0?action=park", 403), ("GET", "/kv", 403), ("GET", "/metrics", 404)):
         async with http.request(method, url + path) as resp:
-            assert resp.status == 404, path
-            assert (await resp.json())["error"]["type"] == "not_found_error"
+            assert resp.status == status, path
+            assert (await resp.json())["error"]["type"] == ("permission_error" if status == 403 else "not_found_error")
     for path in ("/health", "/v1/models", "/props"):
         async with http.get(url + path) as resp:
             assert resp.status == 200, path
