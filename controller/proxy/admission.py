@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 from controller.priorities import INT32_MAX
 
+HELD_POLL_S = 0.5
+"""While the server is down and requests are held, how often they ask the control loop for a poll."""
+
 
 class QueueFull(Exception):
     """The admission queue is at its depth: answer 503 with Retry-After."""
@@ -153,8 +156,9 @@ class AdmissionGate:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            self.want_poll()  # the loop backs off while the server is down: a waiting request asks it to look
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
+                async with asyncio.timeout(min(left, HELD_POLL_S)):
                     await self._changed.wait()
         return self.refuse_reason is None
 
@@ -293,6 +297,7 @@ class AdmissionQueue:
         # poll once per head (after that, the loop's own cadence: a head that does not fit must not turn polling
         # into a busy loop)
         asked: _Waiter | None = None
+        asked_at = 0.0
         while True:
             self._waiters = [w for w in self._waiters if not w.fut.done()]  # clients that left, or timed out
             next_expiry = self._end_held()
@@ -303,14 +308,19 @@ class AdmissionQueue:
                 self._waiters.remove(head)
                 head.fut.set_result(None)
                 continue
-            if asked is not head:
-                asked = head
+            down = self.gate.down_since is not None
+            if asked is not head or (down and time.monotonic() - asked_at >= HELD_POLL_S):
+                # while the server is down the loop backs off (up to loop.backoff_max_s): held requests ask it to
+                # look every HELD_POLL_S, so the gate opens as soon as the server answers
+                asked, asked_at = head, time.monotonic()
                 self.gate.want_poll()
             self._reordered.clear()
             gate_changed = asyncio.ensure_future(self.gate.wait_changed())
             reordered = asyncio.ensure_future(self._reordered.wait())
             try:
                 timeout = None if next_expiry is None else max(0.0, next_expiry - self._clock())
+                if down:
+                    timeout = HELD_POLL_S if timeout is None else min(timeout, HELD_POLL_S)
                 await asyncio.wait((gate_changed, reordered), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gate_changed.cancel()

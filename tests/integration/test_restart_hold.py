@@ -137,9 +137,8 @@ async def test_an_attached_server_is_waited_for_within_the_bound_and_the_queue_h
     smollm2: Path, llama_server_bin: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     srv = start_server(*ONE_SLOT, model=smollm2)
-    extra = ("--config", str(tmp_path / "kvctl.toml"))
-    (tmp_path / "kvctl.toml").write_text("[proxy]\nreplay_timeout_s = 3.0\nqueue_depth = 2\nqueue_grace_s = 0.5\n")
-    with start_stack(srv.url, *extra, timeout_s=60) as url:
+    env = {"KVCTL_PROXY__REPLAY_TIMEOUT_S": "3.0", "KVCTL_PROXY__QUEUE_DEPTH": "2", "KVCTL_PROXY__QUEUE_GRACE_S": "0.5"}
+    with start_stack(srv.url, env=env, timeout_s=60) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         await client.models.list()  # the server's answer, kept
         kill_server(srv.port)
