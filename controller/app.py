@@ -42,6 +42,9 @@ __all__ = ["EXIT_SERVER_FAILED", "App", "configure_logging"]
 
 log = structlog.get_logger("kvctl.app")
 
+ERROR_ANSWERS_REFUSED = 3
+"""Polls in a row answered with an error other than 503 before new requests are refused rather than held."""
+
 EXIT_SERVER_FAILED = 3
 """``kvctl run``'s status when the supervised server failed to start supervisor.failed_after times in a row and
 supervisor.exit_on_failed is set (LSB's "program is not running")."""
@@ -192,12 +195,14 @@ class App:
         verdict = self.loop.admission(self.settings.proxy.admission_reserve_cells)
         if verdict is None:
             failure = self.supervisor.status.failure if self.supervisor is not None else None
-            status = self.loop.state.last_error_status
+            state = self.loop.state
             if failure is not None:
                 self.gate.refuse(failure, Code.SERVER_FAILED)
-            elif status is not None and status != 503:
-                # it answers, with an error that waiting does not mend (a wrong upstream.api_key: 401)
-                self.gate.refuse(f"llama-server answers kvctl's poll with HTTP {status}", Code.UPSTREAM_UNAVAILABLE)
+            elif state.error_answers >= ERROR_ANSWERS_REFUSED:
+                # it keeps answering with an error that waiting does not mend (a wrong upstream.api_key: 401; not the
+                # patched server: 404); one such answer may be a blip, and the requests wait it out
+                message = f"llama-server answers kvctl's poll with HTTP {state.last_error_status}"
+                self.gate.refuse(message, Code.UPSTREAM_UNAVAILABLE)
             elif self._server_comes_back():
                 self.gate.server_down()  # new requests wait for it (proxy.replay_timeout_s), in their order
             else:

@@ -64,9 +64,9 @@ class Code(StrEnum):
     UPSTREAM_DISCONNECTED = "upstream_disconnected"
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_ERROR = "upstream_error"
+    """The server answered an error whose body kvctl could not read."""
     PRIVATE_ROUTE = "private_route"
     """A controller route (a slot action, `GET /kv`) on the client port: 403, it is on kvctl's admin API."""
-    """The server answered an error whose body kvctl could not read."""
     SERVER_FAILED = "server_failed"
     """The supervised server died before it was ready supervisor.failed_after times in a row and is not started
     again: a 503 without Retry-After, since waiting does not help."""

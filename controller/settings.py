@@ -197,8 +197,8 @@ class ProxySettings(_Group):
     """Once the server's response has started, a stream that receives no byte for this long ends with its
     protocol's error event. Must exceed the server's `--sse-ping-interval` (a spawned server gets a third of this).
     A spawned server whose main loop has not answered kvctl's poll of `/kv` for this long is killed and restarted,
-    and the requests it had not answered are sent again to the new one; an attached server's unanswered requests
-    wait `replay_timeout_s` longer for it, then end with 504 `upstream_timeout`."""
+    and the requests it had not answered are sent again to the new one (where replay is on for them); an attached
+    server's unanswered requests wait `replay_timeout_s` longer for it, then end with 503 `upstream_timeout`."""
 
     drain_s: float = Field(default=15.0, ge=0)
     """On SIGTERM: seconds open requests get to finish (new ones get 503) before the rest end with an error event and

@@ -28,7 +28,7 @@ from controller.loop.calls import ServerCalls
 from controller.loop.recorder import Recorder
 from controller.loop.state import LoopState
 from controller.settings import Settings
-from controller.upstream.client import UpstreamApiError, UpstreamError, UpstreamUnavailable
+from controller.upstream.client import UpstreamApiError, UpstreamError, UpstreamProtocolError, UpstreamUnavailable
 from controller.upstream.models import KvSnapshot, SlotState
 
 __all__ = ["Clock", "MonotonicClock", "Poller"]
@@ -175,7 +175,9 @@ class Poller:
         self.recorder.poll_failed(e)
         self.state.upstream_up = False
         self.state.last_error = str(e)
-        self.state.last_error_status = e.status if isinstance(e, UpstreamApiError) else None
+        status = e.status if isinstance(e, UpstreamApiError | UpstreamProtocolError) else None
+        self.state.last_error_status = status
+        self.state.error_answers = self.state.error_answers + 1 if status is not None and status != 503 else 0
 
     def _up(self, kv: KvSnapshot) -> None:
         prev = self.state.snapshot
@@ -194,6 +196,7 @@ class Poller:
         self.state.upstream_up = True
         self.state.last_error = None
         self.state.last_error_status = None
+        self.state.error_answers = 0
         self.state.polls += 1
         self.state.last_poll_monotonic = time.monotonic()
         self.state.snapshot = kv

@@ -22,8 +22,11 @@ class LoopState:
     upstream_up: bool = False
     last_error: str | None = None
     last_error_status: int | None = None
-    """The HTTP status of the last failed poll's answer (a 503 while loading, a 401 for a wrong key); None when the
-    poll was answered fine or not at all."""
+    """The HTTP status of the last failed poll's answer (a 503 while loading, a 401 for a wrong key, a 200 kvctl could
+    not read); None when the poll was answered fine or not at all."""
+    error_answers: int = 0
+    """Polls in a row answered with an error other than 503 (loading): a server that keeps answering so is not coming
+    back by waiting (a wrong key, a server that is not the patched one)."""
     polls: int = 0
     last_poll_monotonic: float | None = None
     last_answer_monotonic: float | None = None

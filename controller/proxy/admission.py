@@ -16,8 +16,9 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from controller.priorities import INT32_MAX
 
@@ -185,8 +186,10 @@ class AdmissionGate:
             return 0
         return sum(1 for t, _ in self._admitted if t >= as_of)
 
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
+    def wait_changed(self) -> Coroutine[Any, Any, Literal[True]]:
+        """A wait for the next change, bound to the gate's state now: a change between this call and the first await
+        of what it returns still ends the wait."""
+        return self._changed.wait()
 
     def want_poll(self) -> None:
         if self.on_wait is not None:

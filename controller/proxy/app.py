@@ -122,6 +122,7 @@ class Proxy:
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._idle = asyncio.Event()
         self._idle.set()
+        self._held = 0  # requests other than generations waiting in hold() for the server
 
     # what the App and the tests read and set
     @property
@@ -243,7 +244,9 @@ class Proxy:
         if self.front.is_metrics(request, route):
             return await self.front.endpoint_metrics(request), None
         if route is not None and route.kind is Kind.PUBLIC and self.gate.down_since is not None:
-            # while the server comes back: its own answer while it loads, so a router sends elsewhere
+            # while the server comes back: its own answer while it loads, so a router sends elsewhere; a router that
+            # probes asks the loop to look (it backs off while the server is down)
+            self.gate.want_poll()
             self.metrics.count(request.path, 503)
             return loading_response(await self.errors.cors(request)), None
         ident = await self.front.authenticate(request)
@@ -279,7 +282,16 @@ class Proxy:
             if cached is not None:
                 self.metrics.count(request.path, 200)
                 return cached
-        if await self.gate.wait_up(self.config.replay_timeout_s):
+        if self._held >= self.config.queue_depth:
+            # as many wait here as may wait for admission: past it, what a full queue answers
+            message = f"{self._held} requests are waiting for llama-server to come back"
+            return await self.errors.kvctl_error(request, 503, message, Code.QUEUE_FULL, self.config.retry_after_s)
+        self._held += 1
+        try:
+            up = await self.gate.wait_up(self.config.replay_timeout_s)
+        finally:
+            self._held -= 1
+        if up:
             return None
         if self.gate.refuse_reason is not None:
             code = self.gate.refuse_code
@@ -294,8 +306,8 @@ class Proxy:
         ctx.body = await request.read() if body is None else body
         # an asset probe (kvctl's keys, none given) carries no credential: the headers drop kvctl's keys
         ctx.headers = self.upstream.headers(ctx, generation=False)
-        if ctx.slots_view:
-            ctx.headers["Accept-Encoding"] = "identity"  # kvctl reads the answer (proxy/slots.py)
+        if ctx.slots_view or self.relay.cacheable(ctx):
+            ctx.headers["Accept-Encoding"] = "identity"  # kvctl reads the answer (proxy/slots.py, proxy/restart.py)
         ctx.raw = route is not None and route.kind is Kind.CONVERSATION and request.method == "GET"
         return await self.relay.forward(ctx)
 

@@ -77,11 +77,16 @@ class ServerCheck:
             task.add_done_callback(lambda t: self._done(key, t))
         return await asyncio.shield(task)
 
-    def last(self, headers: Mapping[str, str]) -> Answer | None:
-        """The server's last answer (200 or 401) for this credential, however old: what holds while the server is
-        coming back and cannot be asked (it cannot have changed its keys meanwhile without answering again)."""
+    def last(self, headers: Mapping[str, str], max_age_s: float) -> Answer | None:
+        """The server's last answer (200 or 401) for this credential, if it is at most ``max_age_s`` old: what holds
+        while the server is coming back and cannot be asked. Only a place in the queue rides on it: the request
+        carries the client's own credential, which the server checks again when it is sent."""
         hit = self._cache.get(self._cache_key(headers))
-        return hit[1] if hit is not None else None
+        if hit is None:
+            return None
+        expiry, answer = hit
+        ttl = self.ttl_s if answer.status == 200 else self.ttl_refused_s
+        return answer if time.monotonic() - (expiry - ttl) <= max_age_s else None
 
     def _done(self, key: bytes, task: asyncio.Future[Answer]) -> None:
         self._pending.pop(key, None)

@@ -165,6 +165,7 @@ class RequestContext:
     asset_probe: bool = False  # kvctl's keys and none given: the server's 404 becomes a 401
     slots_view: bool = False  # GET /slots: the server's answer as this client may see it (proxy/slots.py)
     resend: bool = False  # sent again when the server died before answering (replay is on)
+    waited: bool = False  # waited proxy.replay_timeout_s for a server that did not come back
     entry: Inflight | None = None  # what kvctl can end from outside
     response: web.StreamResponse | None = None  # the client's, once prepared (early: by admission's heartbeats)
     transcript: Transcript | None = None  # what a replay continues from

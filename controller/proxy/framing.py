@@ -80,18 +80,20 @@ class Errors:
             return "kvctl is shutting down; the request was ended", Code.SHUTTING_DOWN
         if reason is Stop.FAILED:
             return self.state.failed or "llama-server failed to start", Code.SERVER_FAILED
-        return (
-            f"llama-server has not answered for {self.config.upstream_read_timeout_s:g} s; the request was ended",
-            Code.UPSTREAM_TIMEOUT,
-        )
+        silent = self.config.upstream_read_timeout_s + self.config.replay_timeout_s
+        return f"llama-server has not answered for {silent:g} s; the request was ended", Code.UPSTREAM_TIMEOUT
 
-    def unreachable(self, error: BaseException) -> tuple[str, Code]:
-        """What a client is told when the server cannot be reached: why it is not coming back, once it is not. Never
-        the server's address or the exception (the caller logs those)."""
+    def unreachable(self, error: BaseException, waited: bool = False) -> tuple[str, Code]:
+        """What a client is told when the server cannot be reached: why it is not coming back, once it is not;
+        ``waited``: the request waited proxy.replay_timeout_s for it. Never the server's address or the exception
+        (the caller logs those)."""
         if self.state.failed is not None:
             return self.state.failed, Code.SERVER_FAILED
         if self.state.expected_back():
-            return self._restarting_message(), Code.SERVER_RESTARTING
+            if waited:
+                return self._restarting_message(), Code.SERVER_RESTARTING
+            # not sent again (replay off for it, or a conversation stream): it is answered at once
+            return "llama-server went away before it answered (it is restarting)", Code.SERVER_RESTARTING
         return "llama-server is unreachable", Code.UPSTREAM_UNAVAILABLE
 
     def _restarting_message(self) -> str:
@@ -116,7 +118,8 @@ class Errors:
         status = 504 if isinstance(end, Silence) else 502
         stop = ctx.entry.stop if ctx.entry is not None else None
         if isinstance(end, Silence):
-            message, code = self.end_message(Stop.HUNG)
+            silent = self.config.upstream_read_timeout_s
+            message, code = f"llama-server sent nothing for {silent:g} s; the stream was ended", Code.UPSTREAM_TIMEOUT
         elif stop is not None:
             message, code = self.end_message(stop)
         else:

@@ -51,7 +51,8 @@ class Cors:
         now = time.monotonic()
         hit = self._cors.get(origin)
         value = hit[1] if hit is not None else None
-        if (hit is None or hit[0] <= now) and self.gate.refuse_reason is None and self._budget(now):
+        down = self.gate.refuse_reason is not None or self.gate.down_since is not None  # no preflight to a down server
+        if (hit is None or hit[0] <= now) and not down and self._budget(now):
             expiry = now + 60.0
             try:
                 value = await self.upstream.preflight(origin)
@@ -180,6 +181,7 @@ class FrontDoor:
         """The server's answer about the client's credential. While the server is coming back: its last answer for
         that credential, else a wait for it (proxy.replay_timeout_s) and the question again."""
         assert self.server_check is not None
+        gate = self.gate
         for attempt in (1, 2):
             try:
                 answer = await self.server_check.check(request.headers)
@@ -187,15 +189,24 @@ class FrontDoor:
                 log.warning("upstream.unreachable", during="credential check", error=str(e))
                 answer = None
                 error: BaseException = e
-            down = answer is None or (answer.status == 503 and self.gate.down_since is not None)
+            down = answer is None or (answer.status == 503 and gate.down_since is not None)
             if not down:
                 return answer  # type: ignore[return-value]
-            if not (self.gate.down_since is not None or self.state.expected_back()):
+            if not (gate.down_since is not None or self.state.expected_back()):
                 break
-            known = self.server_check.last(request.headers)
+            known = self.server_check.last(request.headers, self.config.auth_cache_s + self.config.replay_timeout_s)
             if known is not None:
                 return known
-            if attempt == 1 and not await self.gate.wait_up(self.config.replay_timeout_s):
+            if attempt == 2:
+                break
+            if gate.down_since is None:
+                gate.server_down()  # it answered before and does not now: the next poll that it answers says so
+            if not await gate.wait_up(self.config.replay_timeout_s):
+                if gate.refuse_reason is not None:
+                    code = gate.refuse_code
+                    return await self.errors.kvctl_error(
+                        request, 503, gate.refuse_reason, code, self.errors.retry_after(code)
+                    )
                 return await self.errors.restarting(request)
         if answer is not None:
             return answer

@@ -220,15 +220,15 @@ def read_generation(
 
 
 def predict_refused(routes: RouteTable, payload: dict[str, Any]) -> bool:
-    """A predict request with an instance aimed at a private, conversation or control route (the server
-    dispatches each instance to any registered handler named by its @requestFormat)."""
+    """A predict request with an instance aimed at a private, slot-view, conversation or control route (the server
+    dispatches each instance to any registered handler named by its @requestFormat, past kvctl's per-key view)."""
     instances = payload.get("instances")
     if not isinstance(instances, list):
         return False
     for instance in instances:
         fmt = instance.get("@requestFormat") if isinstance(instance, dict) else None
         if isinstance(fmt, str) and any(
-            r.kind in (Kind.PRIVATE, Kind.CONVERSATION, Kind.CONTROL) for r in routes.predict_targets(fmt)
+            r.kind in (Kind.PRIVATE, Kind.SLOTS, Kind.CONVERSATION, Kind.CONTROL) for r in routes.predict_targets(fmt)
         ):
             return True
     return False

@@ -96,7 +96,7 @@ class Relay:
             log.warning("upstream.unreachable", request_id=ctx.request_id, path=ctx.request.path, error=str(e))
             if ctx.route is not None and ctx.route.kind is Kind.PUBLIC and self.replay.state.expected_back():
                 return loading_response(await self.errors.cors(ctx.request))  # the server's answer while it loads
-            return await self.errors.unavailable(ctx, *self.errors.unreachable(e))
+            return await self.errors.unavailable(ctx, *self.errors.unreachable(e, ctx.waited))
         entry.upstream = upstream
         entry.state = Phase.STREAMING  # the response has started: from here the read timeout applies
         try:
@@ -131,7 +131,7 @@ class Relay:
         else:
             if ctx.lookup_owner is not None:
                 return await self._lookup(ctx, upstream, ctx.lookup_owner)
-            if upstream.status == 200 and (ctx.slots_view or self._cacheable(ctx)):
+            if upstream.status == 200 and (ctx.slots_view or self.cacheable(ctx)):
                 return await self._whole(ctx, upstream)
             resp = web.StreamResponse(
                 status=upstream.status,
@@ -146,7 +146,8 @@ class Relay:
         assert ctx.response is not None
         return ctx.response
 
-    def _cacheable(self, ctx: RequestContext) -> bool:
+    def cacheable(self, ctx: RequestContext) -> bool:
+        """The model list, asked without a query: kept for a restart (proxy/restart.py)."""
         route, request = ctx.route, ctx.request
         return (
             self.models_cache is not None
@@ -168,7 +169,7 @@ class Relay:
         if ctx.slots_view:
             several = self.ownership.several_keys
             data = slots_view(data, ctx.ident, several, self.tracker.inflight)
-        elif self.models_cache is not None and ctx.route is not None:
+        elif self.models_cache is not None and ctx.route is not None and not upstream.headers.get("Content-Encoding"):
             self.models_cache.store(ctx.route.path, data, headers)
         resp = web.Response(status=upstream.status, reason=upstream.reason, body=data, headers=headers)
         ctx.response = resp

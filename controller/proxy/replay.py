@@ -89,6 +89,7 @@ class Replay:
                 ready = await self.wait_ready(ctx, deadline)
                 ctx.entry.state = Phase.UPSTREAM
                 if not ready:
+                    ctx.waited = True
                     raise
                 resends += 1
                 log.warning("replay.resend", request_id=ctx.request_id, attempt=resends, error=str(e))

@@ -133,6 +133,8 @@ class Admission:
         finally:
             if not admit.done():
                 admit.cancel()
+            elif not admit.cancelled():
+                admit.exception()  # ended by kvctl as the queue ended it too: the queue's reason is read, not lost
             self.metrics.queued.dec()
 
     def close(self) -> None:

@@ -414,3 +414,46 @@ async def test_kvctl_holds_requests_from_its_start_until_an_attached_server_firs
             assert body["error"]["message"] == "kvctl: llama-server is not answering", body
         async with http.get(admin + "/status") as r:
             assert "Cannot connect" in json.dumps(await r.json()), "the details are the operator's, on /status"
+
+
+def test_a_predict_instance_cannot_reach_the_slot_view_past_its_filter() -> None:
+    from controller.proxy.inspection import predict_refused
+    from controller.proxy.routes import RouteTable
+
+    table = RouteTable(predict_route="/predict")
+    for fmt in ("/slots", "slots"):
+        assert predict_refused(table, {"instances": [{"@requestFormat": fmt}]}), fmt
+    assert not predict_refused(table, {"instances": [{"@requestFormat": "chatCompletions"}]})
+
+
+async def test_one_error_answer_holds_requests_and_only_a_run_of_them_refuses() -> None:
+    fake = FakeLlamaServer()
+    fake.queue("GET /kv", error(500, "server_error", "blip"))
+    async with running_app(fake, loop=FAST_LOOP) as (app, _, _admin):
+        await wait_until(lambda: app.loop.state.polls >= 3, 5, "polls after the blip")
+        assert app.gate.refuse_reason is None and app.gate.down_since is None
+
+
+async def test_a_remembered_credential_holds_only_for_a_while() -> None:
+    from controller.proxy.auth import Answer, ServerCheck
+
+    async def probe(creds: dict[str, str]) -> Answer:
+        return Answer(200)
+
+    check = ServerCheck(probe, ttl_s=0.05)
+    headers = {"Authorization": "Bearer k"}
+    assert check.last(headers, 10) is None, "never asked: nothing to remember"
+    assert (await check.check(headers)).status == 200
+    assert check.last(headers, 10) == Answer(200)
+    await asyncio.sleep(0.2)
+    assert check.last(headers, 10) == Answer(200) and check.last(headers, 0.1) is None
+
+
+async def test_with_the_server_key_a_refused_server_is_refused_with_its_own_code(
+    upstream: Upstream, http: aiohttp.ClientSession
+) -> None:
+    async with proxy_for(upstream, comes_back=False, upstream_api_key="k") as (url, _, gate):
+        gate.server_down()
+        asyncio.get_running_loop().call_later(0.2, gate.refuse, "llama-server is not answering", "upstream_unavailable")
+        async with http.get(url + "/props", headers={"Authorization": "Bearer k"}) as r:
+            assert r.status == 503 and r.headers["X-Kvctl-Error"] == "upstream_unavailable"
