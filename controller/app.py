@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -25,6 +26,7 @@ from controller.admin.app import make_admin_app
 from controller.errors import Code
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
+from controller.planned import PlannedRestart
 from controller.policy.pool import pressure
 from controller.policy.types import QueuedRequest
 from controller.probes.gpu import GpuProbe
@@ -114,8 +116,14 @@ class RouterMode(Exception):
 class App:
     """Everything ``kvctl run`` starts; ``run()`` returns when ``stop`` is set or a root task fails."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: CollectorRegistry | None = None,
+        reload: Callable[[], Settings] | None = None,
+    ) -> None:
         self.settings = settings
+        self._reload = reload  # the settings read again (the file and the environment), for a planned restart
         self.metrics = Metrics(registry if registry is not None else CollectorRegistry())
         self.client = UpstreamClient(
             str(settings.upstream.url), api_key=settings.upstream.api_key, timeout_s=settings.upstream.timeout_s
@@ -134,6 +142,16 @@ class App:
         self.gate.server_down()
         self._proxy_cleanup: Callable[[], Awaitable[None]] | None = None
         self.proxy: Proxy | None = None
+        self.planned: PlannedRestart | None = None
+        if self.supervisor is not None:
+            self.planned = PlannedRestart(
+                self.supervisor,
+                lambda: self.proxy,
+                self.gate,
+                self._model_ids,
+                settings.proxy.replay_timeout_s,
+                self._reload_spawn if reload is not None else None,
+            )
         self._started_monotonic = time.monotonic()
         self._hung_reported = False
         self.started = asyncio.Event()
@@ -148,6 +166,28 @@ class App:
         if self.proxy is not None:
             ended = self.proxy.fail(message)
             log.error("proxy.ended_waiting_requests", count=ended, reason="server failed")
+
+    async def _model_ids(self) -> list[str] | None:
+        try:
+            return await self.client.model_ids()
+        except UpstreamError as e:
+            log.warning("restart.models_unknown", error=str(e))
+            return None
+
+    def _reload_spawn(self) -> list[str] | None:
+        """``supervisor.spawn`` as the settings file and the environment say now (None when they cannot be read)."""
+        assert self._reload is not None
+        try:
+            return self._reload().supervisor.spawn
+        except (ValueError, OSError) as e:
+            log.warning("restart.settings_unreadable", error=str(e))
+            return None
+
+    async def restart_server(self, argv: list[str] | None, force: bool) -> dict[str, Any]:
+        """POST /server/restart (controller.planned)."""
+        assert self.planned is not None
+        outcome = await self.planned.run(argv, force)
+        return {"moved": outcome.moved, "failed": outcome.failed, "seconds": outcome.seconds}
 
     def _server_comes_back(self) -> bool:
         """Whether a server that does not answer now is expected back: a spawned one until the supervisor gives up
@@ -322,6 +362,7 @@ class App:
                 supervisor=self.supervisor,
                 loop_alive=self._loop_alive,
                 draining=lambda: self.proxy is not None and self.proxy.draining,
+                restart_server=self.restart_server if self.planned is not None else None,
             ),
             handle_signals=False,
             access_log=None,

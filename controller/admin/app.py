@@ -8,6 +8,7 @@
 | ``GET /readyz`` | readiness: upstream up and the pool not saturated, with hysteresis (200/503) |
 | ``POST /slots/{id}/park`` | park the slot's request and pin it: the policy leaves it parked (``?mode=``: see below) |
 | ``POST /slots/{id}/resume`` | resume it (and unpin) |
+| ``POST /server/restart`` | restart the spawned server, optionally with a new command line, continuing every request |
 
 A park goes by the server's choice of mode (swap when the snapshot fits its ``--park-ram``, else recompute)
 unless ``?mode=swap`` or ``?mode=recompute`` asks for one; an explicit swap that does not fit is the server's 503.
@@ -20,9 +21,11 @@ more release, ``X-Kvctl-Origin: kvctl``), so they are told apart from the server
 from __future__ import annotations
 
 import hmac
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -113,6 +116,7 @@ class _Admin:
     loop_alive: Callable[[], bool]
     readiness: Readiness
     draining: Callable[[], bool] = lambda: False
+    restart_server: RestartServer | None = None
     started: float = field(default_factory=time.monotonic)
     _above_high_since: float | None = None
 
@@ -179,6 +183,10 @@ class _Admin:
         )
 
 
+RestartServer = Callable[[list[str] | None, bool], Awaitable[dict[str, Any]]]
+"""A planned restart of the spawned server (controller.planned): the new command line or None, force; the answer's
+body, or KvctlError."""
+
 _ADMIN = web.AppKey("admin", _Admin)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -190,6 +198,7 @@ def make_admin_app(
     supervisor: Supervisor | None = None,
     loop_alive: Callable[[], bool] = lambda: True,
     draining: Callable[[], bool] = lambda: False,
+    restart_server: RestartServer | None = None,
 ) -> web.Application:
     token = settings.admin.token.get_secret_value() if settings.admin.token is not None else None
 
@@ -224,6 +233,7 @@ def make_admin_app(
         loop_alive,
         Readiness(settings.admin.unready_after_s, settings.admin.ready_after_s),
         draining,
+        restart_server,
     )
     app[_ADMIN] = admin
     loop.add_poll_listener(admin.evaluate)  # readiness' timers follow every poll, not only probe calls
@@ -234,6 +244,7 @@ def make_admin_app(
     app.router.add_get("/readyz", _readyz, expect_handler=_expect)
     app.router.add_post("/slots/{id}/park", _manual, expect_handler=_expect)
     app.router.add_post("/slots/{id}/resume", _manual, expect_handler=_expect)
+    app.router.add_post("/server/restart", _restart_server, expect_handler=_expect)
     app.router.add_route("*", "/{tail:.*}", _no_route, expect_handler=_expect)  # last: what no route above takes
     return app
 
@@ -294,3 +305,31 @@ async def _manual(request: web.Request) -> web.StreamResponse:
         return admin_error_response(e.status, e.message, e.code, e.retry_after_s)
     log.info("manual.done", action=str(action), slot=result.slot, id_task=result.id_task, pinned=result.pinned)
     return web.json_response(result.model_dump(mode="json"), headers={ORIGIN_HEADER: "kvctl"})
+
+
+async def _restart_server(request: web.Request) -> web.StreamResponse:
+    """``POST /server/restart`` with an optional ``{"argv": [...], "force": false}``: controller.planned."""
+    admin = request.app[_ADMIN]
+    if admin.restart_server is None:
+        message = "kvctl attaches to this server (no --spawn): restart it yourself; kvctl holds requests meanwhile"
+        return admin_error_response(409, message, Code.NOT_SPAWNED)
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return admin_error_response(400, "the body must be a JSON object", Code.INVALID_ARGV)
+    if not isinstance(body, dict) or set(body) - {"argv", "force"}:
+        return admin_error_response(
+            400, 'the body takes only "argv" (a list of strings) and "force"', Code.INVALID_ARGV
+        )
+    argv, force = body.get("argv"), body.get("force", False)
+    if argv is not None and not (isinstance(argv, list) and argv and all(isinstance(a, str) and a for a in argv)):
+        return admin_error_response(400, '"argv" must be a non-empty list of non-empty strings', Code.INVALID_ARGV)
+    if not isinstance(force, bool):
+        return admin_error_response(400, '"force" must be true or false', Code.INVALID_ARGV)
+    try:
+        answer = await admin.restart_server(argv, force)
+    except KvctlError as e:
+        log.warning("restart.refused", status=e.status, code=e.code, error=e.message)
+        return admin_error_response(e.status, e.message, e.code, e.retry_after_s)
+    return web.json_response(answer, headers={ORIGIN_HEADER: "kvctl"})

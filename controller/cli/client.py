@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -52,9 +54,11 @@ class Admin:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def request(self, session: aiohttp.ClientSession, method: str, path: str) -> tuple[int, str]:
+    async def request(
+        self, session: aiohttp.ClientSession, method: str, path: str, body: Any = None
+    ) -> tuple[int, str]:
         try:
-            async with session.request(method, self.base + path, headers=self.headers) as resp:
+            async with session.request(method, self.base + path, headers=self.headers, json=body) as resp:
                 return resp.status, (await resp.read()).decode(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as e:
             raise _Failure(EXIT_NOT_RUNNING, f"not reachable at {self.base}: {e or type(e).__name__}") from None
@@ -171,4 +175,42 @@ async def manual(admin: Admin, action: str, slot: int, as_json: bool, mode: str 
         print(f"kvctl: unreadable answer from {admin.base} ({code}): {body[:200]}", file=sys.stderr)
         return EXIT_UNKNOWN
     print(f"kvctl {action} {slot}: refused: {message} ({code})", file=sys.stderr)
+    return EXIT_DEGRADED
+
+
+RESTART_TIMEOUT_S = 900.0
+"""A planned restart waits for the new server to load (supervisor.ready_timeout_s) and for every request to move."""
+
+
+async def restart_server(admin: Admin, argv: list[str] | None, force: bool, as_json: bool) -> int:
+    """``kvctl restart-server [--force] [-- ARGV...]``: POST /server/restart."""
+    body: dict[str, Any] = {"force": force}
+    if argv:
+        body["argv"] = argv
+    async with _session(RESTART_TIMEOUT_S) as session:
+        try:
+            code, text = await admin.request(session, "POST", "/server/restart", body)
+            if (failure := admin.refused_token(code)) is not None:
+                raise failure
+        except _Failure as e:
+            print(f"kvctl: {e}", file=sys.stderr)
+            return e.code
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    if code == 200 and isinstance(answer, dict):
+        if as_json:
+            print(text.rstrip("\n"))
+        else:
+            moved, failed = answer.get("moved"), answer.get("failed")
+            print(f"restarted in {answer.get('seconds')} s: {moved} requests moved, {failed} not")
+        return EXIT_OK if not answer.get("failed") else EXIT_DEGRADED
+    try:
+        message = _ErrorEnvelope.model_validate_json(text).error.message
+    except ValidationError:
+        print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    print(f"kvctl restart-server: refused: {message} ({code})", file=sys.stderr)
     return EXIT_DEGRADED

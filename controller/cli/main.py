@@ -1,4 +1,4 @@
-"""``kvctl run | status | park | resume``.
+"""``kvctl run | status | park | resume | restart-server``.
 
 ``status`` renders the admin API's ``GET /status`` model (controller.admin.status) as text, or prints it
 as served; the rendering lives here, the model stays data only. The client commands print text
@@ -12,14 +12,23 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 from prometheus_client import disable_created_metrics
 
-from controller.cli.client import EXIT_OK, EXIT_USAGE, Admin, admin_url, manual, show_status, watch
+from controller.cli.client import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Admin,
+    admin_url,
+    manual,
+    restart_server,
+    show_status,
+    watch,
+)
 from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
 from controller.upstream.models import ParkMode
 
@@ -91,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
         ("status", "print kvctl's status: upstream, pool, parked requests, memory and slots"),
         ("park", "park a slot's request and pin it (the policy leaves it parked)"),
         ("resume", "resume a slot's request (and unpin it)"),
+        (
+            "restart-server",
+            "restart the server kvctl spawned, losing no chat (an upgrade: kvctl restart-server -- llama-server ARGS)",
+        ),
     ):
         c = sub.add_parser(
             name,
@@ -111,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
             "--json",
             action="store_true",
             help="print the admin API's answer as served ("
-            + ("GET /status" if name == "status" else f"POST /slots/ID/{name}")
+            + {"status": "GET /status", "restart-server": "POST /server/restart"}.get(name, f"POST /slots/ID/{name}")
             + "; the default when stdout is not a terminal)",
         )
         form.add_argument("--text", action="store_true", help="print the text view (the default on a terminal)")
@@ -122,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
                 metavar="SECONDS",
                 type=_seconds,
                 help="redraw the text view every SECONDS until Ctrl-C (which exits 0); not with --json",
+            )
+        elif name == "restart-server":
+            c.add_argument(
+                "--force",
+                action="store_true",
+                help="restart even with another model (running requests then end with an error)",
             )
         else:
             c.add_argument("slot", type=_slot_id, help="slot id")
@@ -148,8 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
     if args.command == "run":
         return _run(parser, args, server_argv)
-    if server_argv is not None:
-        print("kvctl: '--' is only for run --spawn", file=sys.stderr)
+    if server_argv is not None and args.command != "restart-server":
+        print("kvctl: '--' is only for run --spawn and restart-server", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "status" and args.watch is not None and args.json:
         print("kvctl status: --watch cannot be combined with --json", file=sys.stderr)
@@ -175,6 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except KeyboardInterrupt:
                 return EXIT_OK
         return asyncio.run(show_status(admin, as_json))
+    if args.command == "restart-server":
+        if server_argv is not None and not server_argv:
+            print("kvctl restart-server: '--' needs the server's new command line after it", file=sys.stderr)
+            return EXIT_USAGE
+        return asyncio.run(restart_server(admin, server_argv, args.force, as_json))
     return asyncio.run(manual(admin, args.command, args.slot, as_json, getattr(args, "mode", None)))
 
 
@@ -203,10 +227,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, server_argv:
     except SettingsError as e:
         print(f"kvctl: {e}", file=sys.stderr)
         return EXIT_USAGE
-    return asyncio.run(_serve(settings))
+    return asyncio.run(_serve(settings, lambda: load_settings(args.config, overrides)))
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, reload: Callable[[], Settings] | None = None) -> int:
     from controller.app import App, configure_logging
 
     configure_logging(settings.log)
@@ -217,4 +241,4 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await App(settings).run(stop)
+    return await App(settings, reload=reload).run(stop)

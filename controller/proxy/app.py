@@ -187,6 +187,16 @@ class Proxy:
         self.state.failed = message
         return self.tracker.end(Stop.FAILED)
 
+    def end_replaced(self) -> int:
+        """A planned restart with another model: every request sent to the server ends now (its protocol's error,
+        ``server_replaced``); those still queued go to the new one."""
+        ended = 0
+        for entry in list(self.inflight.values()):
+            if entry.state is not Phase.QUEUED:
+                entry.end(Stop.REPLACED)
+                ended += 1
+        return ended
+
     def end_waiting(self) -> int:
         """End every request still waiting for the server's response to start (an attached server stopped answering
         and did not come back within proxy.replay_timeout_s)."""

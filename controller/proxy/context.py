@@ -48,6 +48,7 @@ class Stop(StrEnum):
     SHUTDOWN = "shutdown"  # the drain ran out
     FAILED = "failed"  # the supervisor gave up on the server
     HUNG = "timeout"  # the server stopped answering before the response started
+    REPLACED = "replaced"  # a planned restart with another model: it cannot be continued
 
 
 class Phase(StrEnum):
@@ -99,6 +100,7 @@ class Inflight:
     t_start: float
     state: Phase = Phase.QUEUED
     key: str | None = None  # the name of the kvctl key that sent it (GET /slots shows a tenant its own)
+    sent_epoch: int = -1  # the server's restart count when it was last sent (a planned restart counts the moved)
     ended: asyncio.Future[Stop] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Set (to the reason) when kvctl ends the request itself: a hung server, a shutdown."""
     upstream: aiohttp.ClientResponse | None = None

@@ -80,6 +80,9 @@ class Errors:
             return "kvctl is shutting down; the request was ended", Code.SHUTTING_DOWN
         if reason is Stop.FAILED:
             return self.state.failed or "llama-server failed to start", Code.SERVER_FAILED
+        if reason is Stop.REPLACED:
+            message = "llama-server was restarted with another model; this answer cannot be continued on it"
+            return message, Code.SERVER_REPLACED
         silent = self.config.upstream_read_timeout_s + self.config.replay_timeout_s
         return f"llama-server has not answered for {silent:g} s; the request was ended", Code.UPSTREAM_TIMEOUT
 

@@ -74,6 +74,7 @@ class Replay:
         deadline: float | None = None
         while True:
             try:
+                ctx.entry.sent_epoch = self.epoch()
                 return await self.upstream.send(ctx, ctx.body)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 refused = isinstance(e, aiohttp.ClientConnectorError)
@@ -93,6 +94,10 @@ class Replay:
                     raise
                 resends += 1
                 log.warning("replay.resend", request_id=ctx.request_id, attempt=resends, error=str(e))
+
+    def epoch(self) -> int:
+        """Which server a request goes to now: the supervisor's restart count (0 when kvctl spawned none)."""
+        return self.state.restarts() if self.state.restarts is not None else 0
 
     def replayable(self, ctx: RequestContext, end: End) -> bool:
         """Whether a stream that ended so goes on: it has a transcript and its final event has not come; a hung
@@ -130,6 +135,7 @@ class Replay:
             if not await self.wait_ready(ctx, deadline, after_restart):
                 break
             after_restart = None  # restarted once: a later death is an ordinary one
+            entry.sent_epoch = self.epoch()
             try:
                 cm, upstream = await self._beating(ctx, self.upstream.send(ctx, transcript.continuation()))
             except UpstreamEnded:

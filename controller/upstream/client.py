@@ -222,6 +222,15 @@ class UpstreamClient:
             raise UpstreamProtocolError("/props: not JSON", status) from None
         return doc if isinstance(doc, dict) else {}
 
+    async def model_ids(self) -> list[str]:
+        """GET /v1/models: the ids of the models the server serves, in its order."""
+        status, payload = await self._request("GET", "/v1/models")
+        try:
+            doc = json.loads(payload)
+            return [str(m["id"]) for m in doc["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise UpstreamProtocolError("/v1/models: not a model list", status) from None
+
     async def metrics_text(self) -> str:
         _, payload = await self._request("GET", "/metrics")
         return payload.decode("utf-8", "replace")

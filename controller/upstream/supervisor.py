@@ -7,6 +7,7 @@ One task drives an explicit state machine; nothing else changes the state, so no
     READY --exit--> BACKOFF --restart delay--> STARTING         (the delay doubles, reset once READY lasted)
     STARTING --the failed_after-th early exit in a row--> FAILED  (no more starts; READY resets the count)
     any --stop()--> STOPPING --SIGTERM, then SIGKILL after stop_timeout_s--> STOPPED
+    READY --restart(argv)--> STARTING                           (planned: no delay, not counted as an exit)
 
 The server runs in its own process group, so signals reach whatever it started too, and the group is killed
 when the server exits; the server dies with kvctl (a parent-death signal, Linux), even by kill -9. Readiness is
@@ -142,11 +143,11 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pgid, sig)
 
 
-def spawn_argv(settings: Settings) -> list[str]:
-    """The server's command line, with an SSE ping interval of a third of proxy.upstream_read_timeout_s when it sets
-    none: a stream that is quiet for a while (parked, or a slow step) must get the server's ping before kvctl's read
-    timeout ends it."""
-    argv = list(settings.supervisor.spawn or [])
+def spawn_argv(settings: Settings, argv: list[str] | None = None) -> list[str]:
+    """The server's command line (``argv``, else ``supervisor.spawn``), with an SSE ping interval of a third of
+    proxy.upstream_read_timeout_s when it sets none: a stream that is quiet for a while (parked, or a slow step) must
+    get the server's ping before kvctl's read timeout ends it."""
+    argv = list(argv if argv is not None else settings.supervisor.spawn or [])
     if sse_ping_interval(argv) is None:
         argv += ["--sse-ping-interval", str(max(1, int(settings.proxy.upstream_read_timeout_s // 3)))]
     return argv
@@ -174,6 +175,10 @@ class Supervisor:
         self._on_failed = on_failed
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = asyncio.Event()
+        self._planned = False  # the running server is being replaced on purpose (restart())
+        self._ready = asyncio.Event()  # set while the server is READY
+        self._early_exit = asyncio.Event()  # a start that died before it was ready (restart() waits for either)
+        self._start_now = asyncio.Event()  # ends a restart delay early (restart() while in BACKOFF)
         self.failed = asyncio.Event()
         """Set on entering FAILED."""
         self._health = UpstreamClient(
@@ -197,6 +202,13 @@ class Supervisor:
                 ready = await self._start_and_watch()
                 if self._stopping.is_set():
                     break
+                if self._planned:
+                    # replaced on purpose: at once, no delay, and not an exit that counts towards failed_after
+                    self._planned = False
+                    log.info("supervisor.restarting", reason="planned", argv0=self._argv[0])
+                    continue
+                if not ready:
+                    self._early_exit.set()
                 self.status.early_exits = 0 if ready else self.status.early_exits + 1
                 if cfg.failed_after and self.status.early_exits >= cfg.failed_after:
                     self._fail()
@@ -208,8 +220,13 @@ class Supervisor:
                 self._set(SupervisorState.BACKOFF)
                 self.status.next_start_in_s = delay
                 log.info("supervisor.restart_scheduled", in_s=delay)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), delay)
+                waits = [asyncio.ensure_future(e.wait()) for e in (self._stopping, self._start_now)]
+                try:
+                    await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                self._start_now.clear()
                 self.status.next_start_in_s = None
                 delay = min(delay * 2, cfg.restart_backoff_max_s)
         finally:
@@ -253,6 +270,44 @@ class Supervisor:
         log.error("supervisor.kill_hung", pid=proc.pid, reason=why)
         kill_group(proc.pid)
         return True
+
+    async def restart(self, argv: list[str] | None = None, timeout_s: float | None = None) -> bool:
+        """A planned restart: the server is killed (SIGKILL: kvctl has checkpointed its requests, nothing in it is
+        left to save) and started again at once, with ``argv`` when given (``supervisor.spawn``'s form); between
+        starts, the next start comes now. True once the new server is ready; False when it dies before that, is not
+        ready within ``timeout_s`` (supervisor.ready_timeout_s), or the supervisor has stopped or given up."""
+        state = self.status.state
+        if self._stopping.is_set() or state in (SupervisorState.FAILED, SupervisorState.STOPPED):
+            return False
+        if argv is not None:
+            self._argv = spawn_argv(self.settings, argv)
+            self.status.argv = list(self._argv)
+        self._ready.clear()
+        self._early_exit.clear()
+        proc = self._proc
+        log.warning("supervisor.restart_planned", pid=proc.pid if proc else None, argv0=self._argv[0])
+        if proc is not None and proc.returncode is None:
+            self._planned = True
+            kill_group(proc.pid)
+        else:
+            self._start_now.set()  # between starts (BACKOFF): the next one now, with this command line
+        limit = self.settings.supervisor.ready_timeout_s if timeout_s is None else timeout_s
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._ready, self._early_exit, self.failed)]
+        try:
+            await asyncio.wait(waits, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self._ready.is_set()
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state is SupervisorState.READY
+
+    @property
+    def argv(self) -> list[str]:
+        """The command line the server runs with (after spawn_argv())."""
+        return list(self._argv)
 
     async def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; no restart after."""
@@ -305,7 +360,11 @@ class Supervisor:
             self.status.ready_since_unix = time.time()
             self.status.early_exits = 0
             log.info("supervisor.ready", pid=proc.pid, after_s=round(time.monotonic() - started, 3))
-            await proc.wait()
+            self._ready.set()
+            try:
+                await proc.wait()
+            finally:
+                self._ready.clear()
         # the leader is gone: whatever it started (a helper, a grandchild) must not outlive it holding the GPU
         kill_group(proc.pid)
         rc = proc.returncode if proc.returncode is not None else -1
@@ -315,7 +374,7 @@ class Supervisor:
         self.status.last_exit = info
         self.status.ready_since_unix = None
         self.status.pid = None
-        if not self._stopping.is_set():
+        if not self._stopping.is_set() and not self._planned:
             event = "supervisor.exited_early" if info.early else "supervisor.exited"
             log.error(event, pid=proc.pid, returncode=rc, signal=info.signal, uptime_s=round(info.uptime_s, 3))
         return ready

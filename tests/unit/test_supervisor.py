@@ -433,3 +433,35 @@ def test_kvctl_run_exits_3_once_the_server_failed_with_exit_on_failed() -> None:
     assert done.returncode == 3, done.stderr[-2000:]
     assert '"event": "supervisor.failed"' in done.stderr and '"event": "kvctl.server_failed"' in done.stderr
     assert "boom" in done.stderr, "the server's stderr still reaches kvctl's"
+
+
+# --- planned restarts ----------------------------------------------------------------------------
+
+
+async def test_a_planned_restart_replaces_the_server_at_once_and_is_no_crash(tmp_path: Path) -> None:
+    settings = child_settings(tmp_path, "serve", restart_backoff_initial_s=5.0, restart_backoff_max_s=5.0)
+    async with supervising(settings) as sup:
+        await until(lambda: sup.status.state is SupervisorState.READY)
+        first = sup.status.pid
+        new_argv = [*sup.argv[:2], "serve", *sup.argv[3:5], "--flag"]
+        with capture_logs() as logs:
+            t0 = time.monotonic()
+            assert await sup.restart(new_argv)
+            assert time.monotonic() - t0 < 3.0, "no restart delay (it is 5 s here)"
+        assert sup.status.pid != first and dead(first or 0)
+        assert sup.status.restarts == 1 and sup.status.early_exits == 0 and "--flag" in sup.status.argv
+        events = [e["event"] for e in logs]
+        assert "supervisor.restart_planned" in events and "supervisor.exited" not in events
+
+
+async def test_a_restart_to_a_command_that_dies_says_so_and_the_old_one_starts_again(tmp_path: Path) -> None:
+    settings = child_settings(tmp_path, "serve", restart_backoff_initial_s=5.0, restart_backoff_max_s=5.0)
+    async with supervising(settings) as sup:
+        await until(lambda: sup.status.state is SupervisorState.READY)
+        good = sup.argv
+        crashing = [*good[:2], "crash", *good[3:]]
+        assert not await sup.restart(crashing), "the new command line died before it was ready"
+        assert sup.status.state is SupervisorState.BACKOFF
+        t0 = time.monotonic()
+        assert await sup.restart(good), "between starts: the old command line starts now"
+        assert time.monotonic() - t0 < 3.0 and sup.status.state is SupervisorState.READY
