@@ -33,3 +33,60 @@ def test_a_command_line_without_a_readable_model_is_refused(argv: Any) -> None:
     with pytest.raises(KvctlError) as e:
         model_identity(argv)
     assert e.value.status == 400 and e.value.code == "invalid_argv"
+
+
+async def test_the_admin_route_checks_its_body_and_answers_what_the_restart_says() -> None:
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+    from prometheus_client import CollectorRegistry
+
+    from controller.admin.app import make_admin_app
+    from controller.errors import Code
+    from controller.loop.control import ControlLoop
+    from controller.metrics import Metrics
+    from controller.settings import load_settings
+    from controller.upstream.client import UpstreamClient
+
+    settings = load_settings(overrides={"upstream": {"url": "http://127.0.0.1:9"}})
+    metrics = Metrics(CollectorRegistry())
+    loop = ControlLoop(UpstreamClient("http://127.0.0.1:9"), settings, metrics)
+    calls: list[tuple[Any, bool]] = []
+
+    async def restart(argv: list[str] | None, force: bool) -> dict[str, Any]:
+        calls.append((argv, force))
+        if argv == ["other"]:
+            raise KvctlError(409, Code.MODEL_CHANGED, "the new command line serves another model")
+        return {"moved": 2, "failed": 0, "seconds": 1.5}
+
+    for restart_server, cases in (
+        (
+            restart,
+            [
+                (b"", 200, None),
+                (b'{"argv": ["llama-server", "-m", "x"], "force": true}', 200, None),
+                (b'{"argv": ["other"]}', 409, "model_changed"),
+                (b"[1]", 400, "invalid_argv"),
+                (b'{"argv": []}', 400, "invalid_argv"),
+                (b'{"argv": "llama-server -m x"}', 400, "invalid_argv"),
+                (b'{"force": "yes"}', 400, "invalid_argv"),
+                (b'{"args": []}', 400, "invalid_argv"),
+                (b"{not json", 400, "invalid_argv"),
+            ],
+        ),
+        (None, [(b"", 409, "not_spawned")]),
+    ):
+        server = TestServer(make_admin_app(settings, loop, restart_server=restart_server))
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as http:
+                for body, status, code in cases:
+                    async with http.post(server.make_url("/server/restart"), data=body) as r:
+                        assert r.status == status, body
+                        answer = await r.json()
+                        if code is not None:
+                            assert answer["error"]["code"] == code and r.headers["X-Kvctl-Error"] == code
+                        else:
+                            assert answer == {"moved": 2, "failed": 0, "seconds": 1.5}
+        finally:
+            await server.close()
+    assert calls == [(None, False), (["llama-server", "-m", "x"], True), (["other"], False)]
