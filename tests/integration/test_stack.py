@@ -4,6 +4,7 @@ real patched server with its own safety net switched off."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
@@ -62,20 +63,22 @@ async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactor
         assert_complete([await queued], 50)
 
 
-async def test_upstream_down_answers_503_at_once(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
+async def test_an_upstream_that_went_down_is_waited_for_then_answered_503(
+    start_server: ServerFactory, http: aiohttp.ClientSession
+) -> None:
     srv = start_server("-c", "2048", "-np", "2", "-kvu", "--slots")
-    async with running_app(srv.url) as (app, url, _admin):
+    async with running_app(srv.url, proxy={"replay_timeout_s": 1.0}) as (app, url, _admin):
         assert_complete([await stream_completion(http, url, request("Up", 20))], 20)
         srv.stop()
         down = asyncio.Event()
         app.loop.add_poll_listener(lambda: None if app.loop.state.upstream_up else down.set())
         await asyncio.wait_for(down.wait(), 10)
+        t0 = time.monotonic()
         async with http.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}) as r:
             assert r.status == 503 and "Retry-After" in r.headers
             body = await r.json()
-            assert (
-                body["error"]["message"].startswith("kvctl:") and r.headers["X-Kvctl-Error"] == "upstream_unavailable"
-            )
+            assert body["error"]["message"].startswith("kvctl:") and r.headers["X-Kvctl-Error"] == "server_restarting"
+        assert 0.9 <= time.monotonic() - t0 < 5, "it answered before: held for proxy.replay_timeout_s, not refused"
 
 
 @pytest.mark.parametrize("drafting", [False, True], ids=["plain", "draft-mtp"])
