@@ -24,13 +24,14 @@ __all__ = [
     "UpstreamView",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
 3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and
 ``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool). 6: added the supervisor's
 ``failed`` state (also ``upstream.state``), its ``early_exits``, ``failed_after`` and ``failure``, and the last
-exit's ``signal`` and ``log_tail``; the supervisor's ``pid`` is null once the server has exited."""
+exit's ``signal`` and ``log_tail``; the supervisor's ``pid`` is null once the server has exited. 7: added the
+supervisor's ``argv`` (a planned restart may change it)."""
 
 
 class _Model(BaseModel):
@@ -79,6 +80,8 @@ class SupervisorView(_Model):
     """supervisor.failed_after: the early exits in a row that make the state ``failed``; 0: never."""
     failure: str | None = None
     """Why the state is ``failed``, in words (the message requests get meanwhile); None before."""
+    argv: list[str] = []
+    """The command line the server runs with: ``supervisor.spawn``, or the last planned restart's."""
 
 
 class SwaPoolView(_Model):

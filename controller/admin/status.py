@@ -182,6 +182,7 @@ def _supervisor_view(supervisor: SupervisorStatus, failed_after: int) -> Supervi
         early_exits=supervisor.early_exits,
         failed_after=failed_after,
         failure=supervisor.failure,
+        argv=list(supervisor.argv),
     )
 
 
