@@ -169,13 +169,7 @@ async def manual(admin: Admin, action: str, slot: int, as_json: bool, mode: str 
             return EXIT_UNKNOWN
         print(body.rstrip("\n") if as_json else _manual_line(result))
         return EXIT_OK
-    try:
-        message = _ErrorEnvelope.model_validate_json(body).error.message
-    except ValidationError:
-        print(f"kvctl: unreadable answer from {admin.base} ({code}): {body[:200]}", file=sys.stderr)
-        return EXIT_UNKNOWN
-    print(f"kvctl {action} {slot}: refused: {message} ({code})", file=sys.stderr)
-    return EXIT_DEGRADED
+    return _refused(admin, code, body, f"kvctl {action} {slot}")
 
 
 RESTART_TIMEOUT_S = 900.0
@@ -195,22 +189,24 @@ async def restart_server(admin: Admin, argv: list[str] | None, force: bool, as_j
         except _Failure as e:
             print(f"kvctl: {e}", file=sys.stderr)
             return e.code
+    if code != 200:
+        return _refused(admin, code, text, "kvctl restart-server")
     try:
         answer = json.loads(text)
-    except ValueError:
+        moved, failed, seconds = answer["moved"], answer["failed"], answer["seconds"]
+    except (ValueError, KeyError, TypeError):
         print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
         return EXIT_UNKNOWN
-    if code == 200 and isinstance(answer, dict):
-        if as_json:
-            print(text.rstrip("\n"))
-        else:
-            moved, failed = answer.get("moved"), answer.get("failed")
-            print(f"restarted in {answer.get('seconds')} s: {moved} requests moved, {failed} not")
-        return EXIT_OK if not answer.get("failed") else EXIT_DEGRADED
+    print(text.rstrip("\n") if as_json else f"restarted in {seconds} s: {moved} requests moved, {failed} not")
+    return EXIT_OK if not failed else EXIT_DEGRADED
+
+
+def _refused(admin: Admin, code: int, text: str, what: str) -> int:
+    """An admin API error answer: its message on stderr, and the exit code."""
     try:
         message = _ErrorEnvelope.model_validate_json(text).error.message
     except ValidationError:
         print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
         return EXIT_UNKNOWN
-    print(f"kvctl restart-server: refused: {message} ({code})", file=sys.stderr)
+    print(f"{what}: refused: {message} ({code})", file=sys.stderr)
     return EXIT_DEGRADED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,49 @@ async def test_the_admin_route_checks_its_body_and_answers_what_the_restart_says
         finally:
             await server.close()
     assert calls == [(None, False), (["llama-server", "-m", "x"], True), (["other"], False)]
+
+
+async def test_kvctl_restart_server_sends_the_new_command_line_and_says_what_moved(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from controller.cli.main import main
+    from controller.errors import admin_error_response
+
+    seen: list[Any] = []
+
+    async def restart(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if body.get("argv") == ["other"]:
+            return admin_error_response(409, "the new command line serves another model", "model_changed")
+        return web.json_response({"moved": 3, "failed": 1 if body["force"] else 0, "seconds": 2.5})
+
+    app = web.Application()
+    app.router.add_post("/server/restart", restart)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        admin = f"127.0.0.1:{server.port}"
+
+        def run(*args: str) -> int:
+            return main(["restart-server", "--admin", admin, *args])
+
+        assert await asyncio.to_thread(run, "--text", "--", "llama-server", "-m", "x.gguf") == 0
+        assert "3 requests moved, 0 not" in capsys.readouterr().out
+        assert await asyncio.to_thread(run, "--json", "--force") == 1, "a request not moved: degraded"
+        assert json.loads(capsys.readouterr().out)["failed"] == 1
+        assert await asyncio.to_thread(run, "--", "other") == 1
+        assert "refused: the new command line serves another model (409)" in capsys.readouterr().err
+        assert await asyncio.to_thread(run, "--") == 2, "'--' with nothing after it"
+        assert seen == [
+            {"force": False, "argv": ["llama-server", "-m", "x.gguf"]},
+            {"force": True},
+            {"force": False, "argv": ["other"]},
+        ]
+    finally:
+        await server.close()
