@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
@@ -465,3 +466,37 @@ async def test_a_restart_to_a_command_that_dies_says_so_and_the_old_one_starts_a
         t0 = time.monotonic()
         assert await sup.restart(good), "between starts: the old command line starts now"
         assert time.monotonic() - t0 < 3.0 and sup.status.state is SupervisorState.READY
+
+
+async def test_a_planned_restart_to_a_command_line_that_dies_is_rolled_back(tmp_path: Path) -> None:
+    from controller.errors import KvctlError
+    from controller.planned import PlannedRestart
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"other weights")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    argv = [sys.executable, str(script), "serve", "{port}", str(tmp_path / "out"), "-m", str(model)]
+    settings = spawn_settings(argv, restart_backoff_initial_s=5.0, restart_backoff_max_s=5.0)
+    gate = AdmissionGate()
+
+    async def models() -> list[str]:
+        return ["m"]
+
+    async with supervising(settings) as sup:
+        await until(lambda: sup.status.state is SupervisorState.READY)
+        planned = PlannedRestart(sup, lambda: None, gate, models, replay_timeout_s=5.0)
+        first = sup.status.pid
+        with pytest.raises(KvctlError) as e:
+            await planned.run([*sup.argv[:2], "serve", *sup.argv[3:5], "-m", str(other)])
+        assert e.value.code == "model_changed" and "model: 'm.gguf' -> 'other.gguf'" in e.value.message
+        assert sup.status.pid == first and gate.down_since is None, "refused before anything stopped"
+        crashing = [*sup.argv[:2], "crash", *sup.argv[3:]]
+        with pytest.raises(KvctlError) as e:
+            await planned.run(crashing)
+        assert "old command line" in e.value.message
+        assert sup.status.state is SupervisorState.READY and sup.status.argv[2] == "serve", "rolled back"
+        outcome = await planned.run(None)
+        assert (outcome.moved, outcome.failed) == (0, 0) and sup.status.state is SupervisorState.READY
