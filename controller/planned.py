@@ -103,7 +103,6 @@ class RestartOutcome:
     failed: int
     """Those that were not: ended (another model, replay off for them) or not sent within proxy.replay_timeout_s."""
     seconds: float
-    argv: list[str]
 
 
 class PlannedRestart:
@@ -127,9 +126,9 @@ class PlannedRestart:
         self._lock = asyncio.Lock()
 
     def _new_argv(self, argv: list[str] | None) -> list[str]:
+        """``argv`` (the admin API checked its form), else the settings' ``supervisor.spawn`` if it can be read again,
+        else the command line the server runs with."""
         if argv is not None:
-            if not argv or not all(isinstance(a, str) and a for a in argv):
-                raise KvctlError(400, Code.INVALID_ARGV, "argv must be a non-empty list of non-empty strings")
             return argv
         reloaded = self._reload_argv() if self._reload_argv is not None else None
         return reloaded if reloaded else self.supervisor.argv
@@ -142,7 +141,7 @@ class PlannedRestart:
 
     async def _run(self, argv: list[str] | None, force: bool) -> RestartOutcome:
         sup = self.supervisor
-        if sup.status.failure is not None or not sup.ready:
+        if not sup.ready:
             raise KvctlError(409, Code.SERVER_NOT_READY, f"the server is not running ({sup.status.state})", 2)
         old_argv, new_argv = sup.argv, self._new_argv(argv)
         old_id, new_id = model_identity(old_argv), model_identity(new_argv)
@@ -172,7 +171,7 @@ class PlannedRestart:
         if old_models is not None and new_models is not None and old_models != new_models and not force:
             raise await self._roll_back(old_argv, f"the new server serves {new_models}, not {old_models}")
         moved = await self._settled(moving, epoch)
-        outcome = RestartOutcome(moved, len(moving) - moved, round(time.monotonic() - t0, 3), sup.argv)
+        outcome = RestartOutcome(moved, len(moving) - moved, round(time.monotonic() - t0, 3))
         log.warning("restart.done", moved=outcome.moved, failed=outcome.failed, seconds=outcome.seconds)
         return outcome
 

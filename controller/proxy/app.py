@@ -60,7 +60,7 @@ from controller.proxy.owners import Ownership
 from controller.proxy.priority import PRIORITY_HEADER, InvalidPriority, Priority, PriorityRules, resolve_priority
 from controller.proxy.relay import Relay
 from controller.proxy.replay import Replay
-from controller.proxy.restart import MODELS_PATHS, ModelsCache, loading_response
+from controller.proxy.restart import ModelsCache, loading_response
 from controller.proxy.routes import Kind, Route, RouteTable
 from controller.proxy.transcript import ReplayMemory
 from controller.proxy.waiting import Admission, AdmissionRefused
@@ -287,7 +287,7 @@ class Proxy:
         if self.gate.down_since is None:
             return None
         route, request = ctx.route, ctx.request
-        if route is not None and route.path in MODELS_PATHS and request.method == "GET" and not request.query_string:
+        if route is not None and self.relay.cacheable(ctx):
             cached = self.models_cache.response(route.path, await self.errors.cors(request))
             if cached is not None:
                 self.metrics.count(request.path, 200)
@@ -295,7 +295,7 @@ class Proxy:
         if self._held >= self.config.queue_depth:
             # as many wait here as may wait for admission: past it, what a full queue answers
             message = f"{self._held} requests are waiting for llama-server to come back"
-            return await self.errors.kvctl_error(request, 503, message, Code.QUEUE_FULL, self.config.retry_after_s)
+            return await self.errors.service_unavailable(request, message, Code.QUEUE_FULL)
         self._held += 1
         try:
             up = await self.gate.wait_up(self.config.replay_timeout_s)
@@ -304,10 +304,7 @@ class Proxy:
         if up:
             return None
         if self.gate.refuse_reason is not None:
-            code = self.gate.refuse_code
-            return await self.errors.kvctl_error(
-                request, 503, self.gate.refuse_reason, code, self.errors.retry_after(code)
-            )
+            return await self.errors.service_unavailable(request, self.gate.refuse_reason, self.gate.refuse_code)
         return await self.errors.restarting(request)
 
     async def passthrough(self, ctx: RequestContext, body: bytes | None = None) -> web.StreamResponse:
@@ -365,10 +362,7 @@ class Proxy:
             # wait in the admission queue for a slot it would never use
             return await self.relay.forward(ctx)
         if self.gate.refuse_reason is not None:
-            code = self.gate.refuse_code
-            return await self.errors.kvctl_error(
-                request, 503, self.gate.refuse_reason, code, self.errors.retry_after(code)
-            )
+            return await self.errors.service_unavailable(request, self.gate.refuse_reason, self.gate.refuse_code)
         ctx.owner = ident.name if ident is not None and self.ownership.several_keys else None
         if body.conversation and ctx.owner is not None and not self.ownership.claim(body.conversation, ctx.owner):
             return await self.errors.kvctl_error(

@@ -104,7 +104,10 @@ class Errors:
 
     async def restarting(self, request: web.Request) -> web.Response:
         """503 for a request that waited proxy.replay_timeout_s for the server to come back."""
-        message, code = self._restarting_message(), Code.SERVER_RESTARTING
+        return await self.service_unavailable(request, self._restarting_message(), Code.SERVER_RESTARTING)
+
+    async def service_unavailable(self, request: web.Request, message: str, code: str) -> web.Response:
+        """503 before the response started, with Retry-After where waiting helps."""
         return await self.kvctl_error(request, 503, message, code, self.retry_after(code))
 
     async def private_route(self, request: web.Request) -> web.Response:
@@ -157,7 +160,7 @@ class Errors:
         if ctx.response is not None:
             await self.writer.write(ctx, error_event(ctx.route, 503, message, code))
             return ctx.response
-        return await self.kvctl_error(ctx.request, 503, message, code, self.retry_after(code))
+        return await self.service_unavailable(ctx.request, message, code)
 
     async def refuse(self, ctx: RequestContext, message: str, code: str) -> web.StreamResponse:
         """Admission refused the request (queue full, timed out, or kvctl ended it while it waited)."""

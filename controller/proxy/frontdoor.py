@@ -203,15 +203,11 @@ class FrontDoor:
                 gate.server_down()  # it answered before and does not now: the next poll that it answers says so
             if not await gate.wait_up(self.config.replay_timeout_s):
                 if gate.refuse_reason is not None:
-                    code = gate.refuse_code
-                    return await self.errors.kvctl_error(
-                        request, 503, gate.refuse_reason, code, self.errors.retry_after(code)
-                    )
+                    return await self.errors.service_unavailable(request, gate.refuse_reason, gate.refuse_code)
                 return await self.errors.restarting(request)
         if answer is not None:
             return answer
-        message, code = self.errors.unreachable(error)
-        return await self.errors.kvctl_error(request, 503, message, code, self.errors.retry_after(code))
+        return await self.errors.service_unavailable(request, *self.errors.unreachable(error))
 
     async def turn_away(self, request: web.Request, route: Route | None) -> web.Response | None:
         """An authenticated request the listener does not take now (draining, the server not coming back) or at all

@@ -26,7 +26,7 @@ LOADING_BODY = json.dumps(
 MODELS_PATHS = frozenset({"/models", "/v1/models"})
 """The model list's routes (one handler in the server, ``get_models``), as registered (before ``--api-prefix``)."""
 
-_KEEP = frozenset({"content-type", "content-encoding", "vary"})
+_KEEP = frozenset({"content-type", "vary"})  # only unencoded answers are kept (proxy/relay.py)
 
 
 def loading_response(cors: dict[str, str]) -> web.Response:

@@ -143,6 +143,16 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pgid, sig)
 
 
+async def _first_set(events: tuple[asyncio.Event, ...], timeout_s: float) -> None:
+    """Until one of ``events`` is set, or ``timeout_s``."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 def spawn_argv(settings: Settings, argv: list[str] | None = None) -> list[str]:
     """The server's command line (``argv``, else ``supervisor.spawn``), with an SSE ping interval of a third of
     proxy.upstream_read_timeout_s when it sets none: a stream that is quiet for a while (parked, or a slow step) must
@@ -170,7 +180,6 @@ class Supervisor:
         self.settings = settings
         self.metrics = metrics
         self.status = SupervisorStatus(argv=spawn_argv(settings))
-        self._argv = spawn_argv(settings)
         self._on_start = on_start
         self._on_failed = on_failed
         self._proc: asyncio.subprocess.Process | None = None
@@ -205,7 +214,7 @@ class Supervisor:
                 if self._planned:
                     # replaced on purpose: at once, no delay, and not an exit that counts towards failed_after
                     self._planned = False
-                    log.info("supervisor.restarting", reason="planned", argv0=self._argv[0])
+                    log.info("supervisor.restarting", reason="planned", argv0=self.status.argv[0])
                     continue
                 if not ready:
                     self._early_exit.set()
@@ -220,12 +229,7 @@ class Supervisor:
                 self._set(SupervisorState.BACKOFF)
                 self.status.next_start_in_s = delay
                 log.info("supervisor.restart_scheduled", in_s=delay)
-                waits = [asyncio.ensure_future(e.wait()) for e in (self._stopping, self._start_now)]
-                try:
-                    await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits:
-                        w.cancel()
+                await _first_set((self._stopping, self._start_now), delay)
                 self._start_now.clear()
                 self.status.next_start_in_s = None
                 delay = min(delay * 2, cfg.restart_backoff_max_s)
@@ -255,7 +259,7 @@ class Supervisor:
             signal=last.signal,
             uptime_s=round(last.uptime_s, 3),
             log_tail=list(last.log_tail),
-            argv0=self._argv[0],
+            argv0=self.status.argv[0],
         )
         self.failed.set()
         if self._on_failed is not None:
@@ -280,24 +284,18 @@ class Supervisor:
         if self._stopping.is_set() or state in (SupervisorState.FAILED, SupervisorState.STOPPED):
             return False
         if argv is not None:
-            self._argv = spawn_argv(self.settings, argv)
-            self.status.argv = list(self._argv)
+            self.status.argv = spawn_argv(self.settings, argv)
         self._ready.clear()
         self._early_exit.clear()
         proc = self._proc
-        log.warning("supervisor.restart_planned", pid=proc.pid if proc else None, argv0=self._argv[0])
+        log.warning("supervisor.restart_planned", pid=proc.pid if proc else None, argv0=self.status.argv[0])
         if proc is not None and proc.returncode is None:
             self._planned = True
             kill_group(proc.pid)
         else:
             self._start_now.set()  # between starts (BACKOFF): the next one now, with this command line
         limit = self.settings.supervisor.ready_timeout_s if timeout_s is None else timeout_s
-        waits = [asyncio.ensure_future(e.wait()) for e in (self._ready, self._early_exit, self.failed)]
-        try:
-            await asyncio.wait(waits, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        await _first_set((self._ready, self._early_exit, self.failed), limit)
         return self._ready.is_set()
 
     @property
@@ -307,7 +305,7 @@ class Supervisor:
     @property
     def argv(self) -> list[str]:
         """The command line the server runs with (after spawn_argv())."""
-        return list(self._argv)
+        return list(self.status.argv)
 
     async def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; no restart after."""
@@ -323,7 +321,7 @@ class Supervisor:
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *self._argv,
+                    *self.status.argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out.stdout,
                     stderr=out.stderr,
@@ -332,13 +330,13 @@ class Supervisor:
                     preexec_fn=functools.partial(die_with_parent, os.getpid()),  # a prctl, see die_with_parent()
                 )
             except OSError as e:
-                log.error("supervisor.spawn_failed", argv0=self._argv[0], error=str(e))
+                log.error("supervisor.spawn_failed", argv0=self.status.argv[0], error=str(e))
                 self.status.last_exit = ExitInfo(
                     returncode=127,
                     at_unix=time.time(),
                     early=True,
                     uptime_s=0.0,
-                    log_tail=(f"kvctl: cannot start {self._argv[0]}: {e}",),
+                    log_tail=(f"kvctl: cannot start {self.status.argv[0]}: {e}",),
                 )
                 return False
             out.spawned()
