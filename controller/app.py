@@ -135,6 +135,9 @@ class App:
             self.supervisor = Supervisor(
                 settings, self.metrics, on_start=self._server_started, on_failed=self._server_failed
             )
+        if self.supervisor is not None:
+            supervisor = self.supervisor
+            self.loop.add_poll_listener(lambda: supervisor.answered() if self.loop.state.upstream_up else None)
         self.admin_addresses: list[str] = []
         self.gate = AdmissionGate()
         # until the first poll says otherwise, the server is coming back: a spawned one loads its model, and an

@@ -188,6 +188,7 @@ class Supervisor:
         self._ready = asyncio.Event()  # set while the server is READY
         self._early_exit = asyncio.Event()  # a start that died before it was ready (restart() waits for either)
         self._start_now = asyncio.Event()  # ends a restart delay early (restart() while in BACKOFF)
+        self._answered = False  # the control loop's poll reached the server this start launched (answered())
         self.failed = asyncio.Event()
         """Set on entering FAILED."""
         self._health = UpstreamClient(
@@ -298,6 +299,13 @@ class Supervisor:
         await _first_set((self._ready, self._early_exit, self.failed), limit)
         return self._ready.is_set()
 
+    def answered(self) -> None:
+        """The control loop's poll of ``/kv`` was answered while the server starts: the patched server answers it only
+        once its model is loaded, so it is ready, whatever the next ``/health`` probe meets (a server hung or stopped
+        right after it loaded would otherwise stay STARTING, which the hang check does not kill)."""
+        if self.status.state is SupervisorState.STARTING:
+            self._answered = True
+
     @property
     def ready(self) -> bool:
         return self.status.state is SupervisorState.READY
@@ -315,6 +323,7 @@ class Supervisor:
     async def _start_and_watch(self) -> bool:
         """Start the server, wait for it to be ready, then for it to exit; True if it was ready."""
         self._set(SupervisorState.STARTING)
+        self._answered = False  # a poll answered before this start was the last server's
         self.status.ready_since_unix = None
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # systemd's socket is kvctl's
         out = ServerOutput(self.settings.supervisor.log_file)
@@ -378,12 +387,15 @@ class Supervisor:
         return ready
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:
-        """/health 200 (True) or the child's exit (False), whichever comes first."""
+        """/health 200 or the control loop's answered poll (True), or the child's exit (False), whichever comes
+        first."""
         cfg = self.settings.supervisor
         exited = asyncio.create_task(proc.wait(), name="llama-server exit")
         deadline = time.monotonic() + cfg.ready_timeout_s
         try:
             while not exited.done():
+                if self._answered:
+                    return True
                 with contextlib.suppress(UpstreamError):
                     if await self._health.health():
                         return True

@@ -500,3 +500,15 @@ async def test_a_planned_restart_to_a_command_line_that_dies_is_rolled_back(tmp_
         assert sup.status.state is SupervisorState.READY and sup.status.argv[2] == "serve", "rolled back"
         outcome = await planned.run(None)
         assert (outcome.moved, outcome.failed) == (0, 0) and sup.status.state is SupervisorState.READY
+
+
+async def test_a_poll_answered_while_starting_makes_the_server_ready_whatever_health_meets(tmp_path: Path) -> None:
+    """The loop's /kv was answered (the patched server answers it once loaded); the server stopped before the
+    supervisor's next /health probe, which now never answers. It is ready, so a hang check can kill it."""
+    async with supervising(child_settings(tmp_path, "silent")) as sup:
+        await until(lambda: sup.status.state is SupervisorState.STARTING and sup.status.pid is not None)
+        await asyncio.sleep(0.2)
+        assert sup.status.state is SupervisorState.STARTING, "nothing answers /health here"
+        sup.answered()
+        await until(lambda: sup.status.state is SupervisorState.READY, 2.0)
+        assert sup.kill_hung("test: hung right after it loaded")
