@@ -27,7 +27,10 @@ from testkit.llama import ServerProcess  # noqa: E402
 
 
 def build(patched: bool = True) -> Path:
-    """The cached server build; KVCTL_BENCH_BUILD_ARGS adds build flags (bench/gpu.sh: '--cuda')."""
+    """The cached server build; KVCTL_BENCH_BUILD_ARGS adds build flags (bench/gpu.sh: '--cuda').
+    KVCTL_BENCH_SERVER names a patched binary to use instead (a maintainer's work tree; vocab/ beside its bin/)."""
+    if patched and os.environ.get("KVCTL_BENCH_SERVER"):
+        return Path(os.environ["KVCTL_BENCH_SERVER"])
     extra = os.environ.get("KVCTL_BENCH_BUILD_ARGS", "").split()
     args = ["bash", str(ROOT / "scripts" / "build_llama.sh"), *extra] + ([] if patched else ["--no-patches"])
     out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True).stdout

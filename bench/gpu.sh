@@ -9,6 +9,8 @@
 # 2. writes the 'gpu' random-weight model (0.85 B parameters, F32, testkit/models.py),
 # 3. measures park and resume at memory speed (bench/park_speed.py: 16 MiB to 1 GiB snapshots, -fa on
 #    and off, pinned and pageable arena, the other streams' decode stall), bench/results/gpu-park-speed.md,
+#    and in every cache layout a GPU runs (f16 with -fa on and off, q8_0), one contiguous request at a
+#    time, bench/results/gpu-park-layouts.md,
 # 4. runs the pressure benchmark (8192 band, equal-long and mixed, every mode) and the cost
 #    benchmark (patched vs unpatched and the whole stack, 20 pairs) with every layer on the GPU,
 #    writing bench/results/gpu-pressure.md|png and bench/results/gpu-overhead.md.
@@ -105,6 +107,8 @@ stage "model" "$py" -c "from bench.common import build, model; print(model('gpu'
 status=0
 stage "park speed" "$py" -m bench.park_speed --server-args "-ngl 99" --pinned on,off --slices 16M \
     --out gpu-park-speed || status=1
+stage "park layouts" "$py" -m bench.park_speed --server-args "-ngl 99" --slices 16M --fa on,off --cache f16,q8_0 \
+    --prompt-mib auto --long one --rss off --out gpu-park-layouts || status=1
 stage "pressure" "$py" -m bench.pressure --model gpu --server-args "-ngl 99" --bands 8192 \
     --workloads equal-long,mixed --out gpu-pressure || status=1
 stage "cost" "$py" -m bench.overhead --model gpu --server-args "-ngl 99" --pairs 20 --n-predict 128 \

@@ -1,11 +1,15 @@
 """Park and resume at memory speed, and what a park costs the other streams (issue 17).
 
-    python -m bench.park_speed [--sizes 16,64,256,1024] [--slices 16M,0] [--fa on,off] [--pinned on]
+    python -m bench.park_speed [--sizes 16,64,256,1024] [--slices 16M,0] [--fa on,off] [--cache f32,q8_0]
+                               [--model kvheavy|kv64] [--prompt-mib N] [--long all|one] [--pinned on]
                                [--server-args "-ngl 99"] [--out park_speed]
 
-Model "kvheavy" (32 layers x 16 KV heads x 128, f32 cache: 512 KiB a cell), four slots in one unified
-pool, four streams generating together, so the cells of each interleave with the three others'. When
-stream 0 holds a snapshot of each size, it is parked and resumed through the API (mode swap), and:
+Model "kvheavy" (32 layers x 16 KV heads x 128, f32 cache: 512 KiB a cell) or "kv64" (64 layers x 64 KV
+channels: 32 KiB a cell in f32, small rows in many layers), four slots in one unified pool, four streams
+generating together, so the cells of each interleave with the three others'. With --prompt-mib, stream 0
+(--long one) or every stream (--long all) starts with a prompt of that much KV, prefilled in runs of
+contiguous cells. When stream 0 holds a snapshot of each size, it is parked and resumed through the API
+(mode swap), and:
   park / resume GB/s   snapshot bytes over the server's timings.copy_ms (time spent copying, summed
                        over the slices), of the second park and resume at that size (the arena reused;
                        the first, which grows the arena and faults its pages in, is its own column),
@@ -15,12 +19,13 @@ stream 0 holds a snapshot of each size, it is parked and resumed through the API
                        machine's memory gives the layout (a gather reads n times the bytes it copies);
   stall                the longest and the median gap between tokens of streams 1-3 from the park
                        request until stream 0's next token, against the same streams' gaps over as long
-                       a window just before, and at least their last 8 (no park); "bound" is that
-                       baseline's longest gap + 2 decode steps (their median gap) + 5 ms, the issue's
-                       target.
+                       a window just before, and at least their last 8 (no park); "bound" is 2 decode
+                       steps (their median gap without a park) + 5 ms, the target of issue 35.
   RSS                  the server's resident memory right before the last park (the other streams
                        stopped), and --park-arena-keep (30 s, its default) + 5 s after the last resume, with
-                       stream 0 stopped: the arena gives its memory back to the OS.
+                       stream 0 stopped: the arena gives its memory back to the OS (--rss off skips it).
+--prompt-mib auto (with --long one) runs each size on its own server, stream 0's prompt holding all but 1 MiB
+of it: the snapshot is one contiguous run of cells, the layout a long prompt leaves.
 --slices runs the whole table for each --park-slice (0: a park copies at once, as before slicing);
 --pinned off adds --no-park-pinned (pageable arena on a CUDA build; the CPU has no pinned memory).
 """
@@ -43,24 +48,33 @@ import numpy as np
 from bench.common import build, cli, model, save, server, table
 from bench.park_cost import memcpy_gbps
 from testkit.llama import post_action, sse_events
+from testkit.models import SIZES
 
-CELL_BYTES = 32 * 2 * 2048 * 4  # kvheavy, f32 K and V
 KEEP_S = 30  # --park-arena-keep for these runs (the default): the second park at a size must come within it
 
 
-def layout_gbps(fa: str, n_bytes: int, streams: int = 4, row: int = 16 * 128 * 4, repeat: int = 3) -> float:
+def layout_gbps(
+    fa: str, n_bytes: int, row: int, el: int, n_layer: int, width: int, n_ctx: int, streams: int = 4, repeat: int = 3
+) -> float:
     """The same copy as a park of n_bytes of one stream's KV out of a cache where `streams` streams interleave
-    cell by cell, done by numpy: K (and V with flash attention on) every `streams`-th row of `row` bytes, V with
-    flash attention off every `streams`-th f32 element (a gather). What this machine's memory gives that layout."""
+    cell by cell, done by numpy on arrays of the cache's shape: K (and V with flash attention on) every
+    `streams`-th row of `row` bytes; V with flash attention off (stored transposed: a row of n_ctx elements of `el`
+    bytes per layer and channel) every `streams`-th element of each channel's row. What this machine's memory
+    gives that layout."""
     half = n_bytes // 2 // row * row
     src = np.ones(half * streams, dtype=np.uint8)
     dst = np.ones(half, dtype=np.uint8)
+    dt = {2: np.uint16, 4: np.uint32}[el]
+    n = max(1, half // (n_layer * width * el))  # the stream's cells a layer
+    kv = min(n_ctx, streams * n + 1024)  # a channel's row: the cells in use and a gap before the next row
+    v_src = np.ones((n_layer * width, kv), dtype=dt)
+    v_dst = np.ones((n_layer * width, n), dtype=dt)
 
     def rows() -> None:
         np.copyto(dst.reshape(-1, row), src.reshape(-1, streams, row)[:, 0, :])
 
     def gather() -> None:
-        np.copyto(dst.view(np.float32), src.view(np.float32)[::streams])
+        np.copyto(v_dst, v_src[:, 0 : n * streams : streams])
 
     best = float("inf")
     for _ in range(repeat):
@@ -88,16 +102,16 @@ def llc_bytes() -> int:
 class Streams:
     """Four streaming completions; records each token's arrival time per stream."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, n_prompt: int = 0) -> None:
-        self.url, self.session, self.n_prompt = url, session, n_prompt
+    def __init__(self, url: str, session: aiohttp.ClientSession, n_prompts: list[int]) -> None:
+        self.url, self.session, self.n_prompts = url, session, n_prompts
         self.arrivals: list[list[float]] = [[] for _ in range(4)]
         self.tasks: list[asyncio.Task[None]] = []
 
     async def _run(self, i: int) -> None:
         # a long prompt fills its cells in prefill chunks (contiguous runs), the tail interleaves
         prompt: str | list[int] = f"stream {i} once upon a time"
-        if self.n_prompt:
-            prompt = [10 + (i * 7 + k) % 200 for k in range(self.n_prompt)]
+        if self.n_prompts[i]:
+            prompt = [10 + (i * 7 + k) % 200 for k in range(self.n_prompts[i])]
         body = {
             "prompt": prompt,
             "n_predict": 100000,
@@ -168,15 +182,22 @@ async def park_and_resume(
 
 
 async def measure(
-    url: str, pid: int, sizes_mib: list[int], prompt_mib: int = 0
-) -> tuple[list[dict[str, float]], dict[str, float]]:
+    url: str,
+    pid: int,
+    sizes_mib: list[int],
+    cell_bytes: int,
+    prompt_mib: int = 0,
+    long: str = "all",
+    with_rss: bool = True,
+) -> tuple[list[dict[str, float]], dict[str, float] | None]:
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        streams = Streams(url, session, prompt_mib * 1024**2 // CELL_BYTES)
+        n_prompt = prompt_mib * 1024**2 // cell_bytes
+        streams = Streams(url, session, [n_prompt if i == 0 or long == "all" else 0 for i in range(4)])
         streams.start()
         for mib in sizes_mib:
 
-            def holds(kv: dict[str, Any], n: int = mib * 1024**2 // CELL_BYTES) -> bool:
+            def holds(kv: dict[str, Any], n: int = mib * 1024**2 // cell_bytes) -> bool:
                 return bool(kv["slots"][0]["n_cells"] >= n)
 
             await wait_kv(session, url, holds)
@@ -199,6 +220,9 @@ async def measure(
                     "stall_p50": statistics.median(during0 + during),
                 }
             )
+        if not with_rss:
+            await streams.stop()
+            return out, None
         # the arena gives its memory back: RSS before the last park, and keep + 5 s after the last resume
         await streams.stop(range(1, 4))
         await wait_kv(session, url, lambda kv: all(s["state"] == "idle" for s in kv["slots"][1:4]))
@@ -214,69 +238,100 @@ async def measure(
     return out, rss
 
 
+TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+
+
+def cell_bytes(kind: str, cache: str) -> int:
+    """K and V bytes of a cell of the random model `kind` in a cache of type `cache`."""
+    spec = SIZES[kind]
+    return int(spec.n_layer * 2 * spec.n_head_kv * spec.head_dim * TYPE_BYTES[cache])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,64,256,1024", help="snapshot sizes in MiB")
     ap.add_argument("--slices", default="16M,0", help="--park-slice values to compare")
     ap.add_argument("--fa", default="on,off", help="flash attention modes (off: V is stored transposed)")
+    ap.add_argument("--cache", default="f32", help="KV cache types (-ctk/-ctv), e.g. f32,f16,q8_0 (q8_0: -fa on only)")
+    ap.add_argument("--model", default="kvheavy", choices=["kvheavy", "kv64"], help="the random model")
     ap.add_argument("--pinned", default="on", help="on,off: the arena in pinned or pageable memory (CUDA)")
     ap.add_argument("--server-args", default="", help='extra llama-server arguments, e.g. "-ngl 99"')
     ap.add_argument(
         "--prompt-mib",
-        type=int,
-        default=0,
-        help="each stream starts with a prompt of this many MiB of KV (prefilled in contiguous runs), so that "
-        "the large sizes do not take thousands of decode steps; only the tail interleaves cell by cell",
+        default="0",
+        help="streams start with a prompt of this many MiB of KV (prefilled in contiguous runs), so that "
+        "the large sizes do not take thousands of decode steps; only the tail interleaves cell by cell. "
+        "auto: each size on its own server, stream 0's prompt all but 1 MiB of it",
     )
+    ap.add_argument("--rss", default="on", choices=["on", "off"], help="measure the arena's RSS given back")
+    ap.add_argument("--long", default="all", choices=["all", "one"], help="which streams get --prompt-mib")
     ap.add_argument("--out", default="park_speed", help="bench/results/OUT.md")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     binary = build()
-    gguf = model("kvheavy", binary)
-    n_ctx = 4 * (max(sizes) * 1024**2 // CELL_BYTES + 256)
-    assert all(sz > args.prompt_mib for sz in sizes), "every size must be above --prompt-mib"
+    gguf = model(args.model, binary)
+    if args.prompt_mib == "auto":
+        groups = [([sz], sz - 1) for sz in sizes]
+    else:
+        groups = [(sizes, int(args.prompt_mib))]
+        assert all(sz > int(args.prompt_mib) for sz in sizes), "every size must be above --prompt-mib"
     big = max(4 * llc_bytes(), 256 * 1024**2)
     rows: list[tuple[object, ...]] = []
     rss_rows: list[tuple[object, ...]] = []
-    runs = [(f, sl, p) for f in args.fa.split(",") for sl in args.slices.split(",") for p in args.pinned.split(",")]
-    for fa, sl, pin in runs:
-        argv_srv = ["-c", str(n_ctx), "-np", "4", "-kvu", "--slots", "-fa", fa, "-ctk", "f32", "-ctv", "f32"]
+    combos = [(f, c) for f in args.fa.split(",") for c in args.cache.split(",") if not (f == "off" and c == "q8_0")]
+    runs = [(f, c, sl, p) for f, c in combos for sl in args.slices.split(",") for p in args.pinned.split(",")]
+    runs_g = [(*r, g, pm) for r in runs for g, pm in groups]
+    spec = SIZES[args.model]
+    for fa, cache, sl, pin, group, prompt_mib in runs_g:
+        cb = cell_bytes(args.model, cache)
+        n_ctx = 4 * (max(group) * 1024**2 // cb + 256)
+        argv_srv = ["-c", str(n_ctx), "-np", "4", "-kvu", "--slots", "-fa", fa, "-ctk", cache, "-ctv", cache]
         argv_srv += ["--park-slice", sl, "--park-ram", str(2 * max(sizes) + 256), "--park-arena-keep", str(KEEP_S)]
         argv_srv += [*shlex.split(args.server_args), *([] if pin == "on" else ["--no-park-pinned"])]
         with server(binary, gguf, *argv_srv) as srv:
             assert srv.proc is not None
-            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, sizes, args.prompt_mib))
+            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, group, cb, prompt_mib, args.long, args.rss == "on"))
         mc_big, mc_small = memcpy_gbps(big), memcpy_gbps(16 * 1024**2)
-        layout = layout_gbps(fa, min(256, max(sizes)) * 1024**2)
-        arena = "pinned" if rss["pinned"] else "pageable"
-        ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
-        rss_rows.append((fa, sl, arena, rss["before"], rss["arena"], rss["after"], ok))
+        width = spec.n_head_kv * spec.head_dim
+        el = 2 if cache == "f16" else 4
+        row = int(width * TYPE_BYTES[cache])
+        layout_bytes = min(256, max(group)) * 1024**2
+        layout = layout_gbps(fa, layout_bytes, row if row % el == 0 else width * el, el, spec.n_layer, width, n_ctx)
+        arena = "pinned" if pin == "on" and "-ngl" in args.server_args else "pageable"
+        if rss is not None:
+            arena = "pinned" if rss["pinned"] else "pageable"
+            ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
+            rss_rows.append((fa, cache, sl, arena, rss["before"], rss["arena"], rss["after"], ok))
         for r in res:
-            bound = r["base_max"] + 2 * r["base_p50"] + 5
+            bound = 2 * r["base_p50"] + 5
             within = "yes" if r["stall_max"] <= bound else "no"
             park_gbps, resume_gbps = r["park_gbps"], r["resume_gbps"]
             speed: tuple[float, ...] = (r["first_park_gbps"], park_gbps, resume_gbps, mc_big, mc_small)
             speed = (*speed, park_gbps / mc_big, resume_gbps / mc_big)
             speed = (*speed, layout, park_gbps / layout, resume_gbps / layout)
             gaps_ = (r["base_p50"], r["base_max"], r["stall_p50"], r["stall_max"], bound, within)
-            rows.append((fa, sl, arena, f"{r['mib']:.0f}", *speed, r["park_ms"], r["resume_ms"], *gaps_))
-    heads = ["-fa", "--park-slice", "arena", "snapshot MiB", "first park GB/s (arena grows)", "park GB/s"]
+            rows.append((fa, cache, sl, arena, f"{r['mib']:.0f}", *speed, r["park_ms"], r["resume_ms"], *gaps_))
+    heads = ["-fa", "cache", "--park-slice", "arena", "snapshot MiB", "first park GB/s (arena grows)", "park GB/s"]
     heads += ["resume GB/s"]
     heads += [f"memcpy {big >> 20} MiB GB/s", "memcpy 16 MiB GB/s", "park / memcpy", "resume / memcpy"]
     heads += ["same layout by numpy GB/s", "park / layout", "resume / layout"]
     heads += ["park_ms", "resume_ms", "gap p50 ms (no park)", "gap max ms (no park)", "gap p50 ms (park)"]
     heads += ["gap max ms (park)", "bound ms", "within bound"]
     out = table(heads, rows)
-    rss_heads = ["-fa", "--park-slice", "arena", "RSS before the last park MiB", "arena MiB"]
+    rss_heads = ["-fa", "cache", "--park-slice", "arena", "RSS before the last park MiB", "arena MiB"]
     rss_heads += [f"RSS {KEEP_S} + 5 s after the last resume MiB", "within 5 %"]
-    out += "\n\n" + table(rss_heads, rss_rows)
+    if rss_rows:
+        out += "\n\n" + table(rss_heads, rss_rows)
     where = args.server_args or "CPU"
-    layout = "4 streams interleaved"
-    if args.prompt_mib:
-        layout = f"4 streams, each a {args.prompt_mib} MiB prompt (prefilled in runs of cells) then an interleaved tail"
-    header = (
-        f"model: kvheavy (512 KiB a cell, f32 cache), {layout}, {where}; last-level cache {llc_bytes() >> 20} MiB\n\n"
-    )
+    layout_s = "4 streams interleaved"
+    if args.prompt_mib == "auto":
+        layout_s = "4 streams, stream 0 a prompt of all but 1 MiB of each size (one run of cells), its own server"
+    elif int(args.prompt_mib):
+        who = "stream 0" if args.long == "one" else "each"
+        layout_s = f"4 streams, {who} a {args.prompt_mib} MiB prompt (prefilled in runs of cells), then interleaved"
+    kb = cell_bytes(args.model, "f32") >> 10
+    llc = llc_bytes() >> 20
+    header = f"model: {args.model} ({kb} KiB a cell in f32), {layout_s}, {where}; last-level cache {llc} MiB\n\n"
     print(header + out)
     save(f"{args.out}.md", header + out + "\n")
     return 0

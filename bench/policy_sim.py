@@ -18,7 +18,7 @@ everything, and any step that would not have fit (the server's safety net would 
 kvctl's goal is none).
 
 Priorities (issue 20, ``--only priority`` alone): each request has a priority (higher = more important), which the
-simulated ``/kv`` reports and the server's safety net heeds (lowest priority first, then newest, as patch 24). A
+simulated ``/kv`` reports and the server's safety net heeds (lowest priority first, then newest, as patch 25). A
 request whose start condition holds waits in kvctl's admission queue, ordered as the proxy's ``AdmissionQueue``
 (highest priority first, FIFO within, one that waited past ``priority_max_wait`` to the front); the head goes into
 ``PolicyInput.queued`` at every poll (displacement) and ``admission`` is asked with its effective priority. Every

@@ -86,7 +86,7 @@ fi
 
 # --- what this build is: flags and patch series ------------------------------------------
 flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF
-       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF
+       -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF
        -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=ON)
 readonly NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 case "$(uname -m)" in
@@ -224,7 +224,10 @@ export CCACHE_BASEDIR="$work" CCACHE_NOHASHDIR=1   # hit the ccache across tempo
 cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/cmake.log" 2>&1 \
     || { tail -n 40 "$work/cmake.log" >&2; die "cmake configure failed (log above)"; }
 log "building llama-server with $jobs jobs (a cold CPU build takes ~13 min on 2 cores)"
-if ! cmake --build "$work/build" --target llama-server -j "$jobs" >"$work/build.log" 2>&1; then
+# the series' own libllama tests (tests/test-*.cpp of the patches), run by the suite on real models
+targets=(llama-server)
+for t in test-memory-occupancy test-state-seq-copy; do [ -f "$src/tests/$t.cpp" ] && targets+=("$t"); done
+if ! cmake --build "$work/build" --target "${targets[@]}" -j "$jobs" >"$work/build.log" 2>&1; then
     grep -E 'error|Error' "$work/build.log" | head -n 40 >&2 || true
     tail -n 20 "$work/build.log" >&2
     die "build failed (log above)"
@@ -234,6 +237,7 @@ fi
 stage="$work/entry"
 mkdir -p "$stage/bin" "$stage/vocab" "$stage/src"
 cp "$work/build/bin/llama-server" "$stage/bin/"
+for t in "${targets[@]:1}"; do cp "$work/build/bin/$t" "$stage/bin/"; done
 # the server's route table, for the test that checks the proxy classifies every route (tests/unit/test_routes.py)
 cp "$src/tools/server/server.cpp" "$stage/src/"
 # llama.cpp's own server tests, upstream's and the series', run offline by tests/upstream/runner.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check the patch series the way a reviewer takes it: one patch at a time.
 #
-#   scripts/check_series.sh [--from N] [--jobs N]
+#   scripts/check_series.sh [--from N] [--only N,M,...] [--jobs N]
 #
 # For each patch of patches/, in order: it applies with `git apply` on top of the ones
 # before it, it says why (a message body), it changes at most 350 lines outside
@@ -9,7 +9,8 @@
 # before landing a change to patches/ (CI builds only the whole series). The build folder
 # and ccache persist under ${XDG_CACHE_HOME:-$HOME/.cache}/kvctl/check-series/, so a second
 # run recompiles only what the patches touch. --from N starts building at patch N (the
-# earlier ones are still applied and checked). Do not run it beside server tests.
+# earlier ones are still applied and checked); --only N,M builds only those prefixes (after a
+# rebase that changed a few patches). Do not run it beside server tests.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,14 +20,16 @@ cache="${KVCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvctl}"
 work="$cache/check-series"
 max_lines=350
 from=1
+only=""
 jobs="$(nproc 2>/dev/null || echo 2)"
 
 die() { printf 'check_series: error: %s\n' "$*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --from) [ $# -ge 2 ] || die "--from needs a number"; from="$2"; shift ;;
+        --only) [ $# -ge 2 ] || die "--only needs a list of numbers"; only=",$2,"; shift ;;
         --jobs|-j) [ $# -ge 2 ] || die "--jobs needs a value"; jobs="$2"; shift ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
     shift
@@ -44,7 +47,7 @@ src="$work/llama.cpp"
 build="$work/build"
 export CCACHE_BASEDIR="$work" CCACHE_NOHASHDIR=1
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DGGML_CCACHE=ON >"$work/cmake.log" 2>&1 || { tail -n 30 "$work/cmake.log" >&2; die "cmake configure failed"; }
 
 failed=0
@@ -65,9 +68,11 @@ for i in "${!patches[@]}"; do
     # the message: everything between the Subject and the diffstat separator, past the subject itself
     body="$(awk '/^Subject:/ { s = 1; next } s && /^---$/ { exit } s' "$p" | sed '/^ /d' | grep -c '[^[:space:]]' || true)"
     [ "$body" -ge 2 ] || { problems+=("no message body saying why"); failed=1; }
-    if [ "$n" -ge "$from" ]; then
+    if [ "$n" -ge "$from" ] && { [ -z "$only" ] || [[ "$only" == *",$n,"* ]]; }; then
         t0=$(date +%s)
-        if cmake --build "$build" --target llama-server -j "$jobs" >"$work/build-$n.log" 2>&1; then
+        targets=(llama-server)
+        for t in test-memory-occupancy test-state-seq-copy; do [ -f "$src/tests/$t.cpp" ] && targets+=("$t"); done
+        if cmake --build "$build" --target "${targets[@]}" -j "$jobs" >"$work/build-$n.log" 2>&1; then
             problems+=("builds ($(( $(date +%s) - t0 )) s)")
         else
             grep -E 'error' "$work/build-$n.log" | head -n 20 >&2 || true
@@ -75,7 +80,7 @@ for i in "${!patches[@]}"; do
             failed=1
         fi
     else
-        problems+=("build skipped (--from $from)")
+        problems+=("build skipped (--from/--only)")
     fi
     printf '%-4s %-68s %6s  %s\n' "$n" "$name" "$lines" "$(IFS=';'; echo "${problems[*]}")"
 done

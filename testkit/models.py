@@ -110,6 +110,9 @@ SIZES: dict[str, LlamaSpec] = {
     # 32 layers of 16 KV heads of 128: 256 KiB of f16 KV a cell (512 KiB in f32) from 17 M parameters, so GiB
     # snapshots take seconds of prefill on a CPU (bench/park_speed.py)
     "kvheavy": LlamaSpec(n_embd=64, n_layer=32, n_head=16, n_head_kv=16, n_ff=128, head_dim_kv=128),
+    # 64 layers of 2 KV heads of 32 (q8_0 needs heads of 32): 32 KiB of f32 KV a cell in rows of 68-256 B, many
+    # small tensors, the layout where a copy's per-row and per-layer costs show (bench/park_speed.py)
+    "kv64": LlamaSpec(n_embd=64, n_layer=64, n_head=2, n_head_kv=2, n_ff=128),
 }
 
 

@@ -5,7 +5,7 @@ step adds one cell per generating request, a prompt is prefilled in ``n_batch`` 
 cells, parks and resumes take effect at the poll that decides them, and the controller polls every ``poll_steps``
 steps. Waits are counted in decode steps, so two orders (or two settings) are compared on the same clock. A step
 whose cells would not fit the pool is an overflow: the server's safety net parks the lowest priority, then the
-newest (as patch 24); kvctl's goal is none.
+newest (as patch 25); kvctl's goal is none.
 
 A request whose start condition holds waits in kvctl's admission queue, ordered as the proxy's ``AdmissionQueue``
 (highest priority first, FIFO within, one that waited past ``priority_max_wait`` to the front); the head goes into

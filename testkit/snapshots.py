@@ -33,7 +33,7 @@ class S:
     snapshot_bytes: int | None = None  # generating: what a swap park of it takes (the server's exact figure)
     mode: ParkMode | None = None  # parked: how (None: swap)
     recomputing: bool = False  # prompt state: resumed by recompute, evaluating its tokens again
-    priority: int | None = None  # the request's priority (patch 24); None: a server that does not say
+    priority: int | None = None  # the request's priority (patch 25); None: a server that does not say
 
 
 def kv(

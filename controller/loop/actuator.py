@@ -30,7 +30,7 @@ COPY_SLOWDOWN = 4.0
 """With only the copy rate known (an older server), a park or resume may take this many times its copy: the server
 slices it between the other requests' steps (about twice its copy time on a busy server), with room to spare."""
 WALL_SLACK = 2.0
-"""With the server's measured wall-clock rate of parks and resumes (patch 23), room to spare over it."""
+"""With the server's measured wall-clock rate of parks and resumes (patch 24), room to spare over it."""
 
 
 @dataclass(frozen=True, slots=True)

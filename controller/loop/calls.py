@@ -3,7 +3,7 @@ controller.loop.actuator a park's or resume's).
 
 Until a call returns, the loop counts as busy, not stalled (the admin API's liveness and the systemd watchdog ask
 ControlLoop.stalled()). A call that may outlast half the server's lease keeps the lease meanwhile: ``GET /health``
-with the lease header, which the server answers without its main loop (patch 22). The end of a park or resume is
+with the lease header, which the server answers without its main loop (patch 23). The end of a park or resume is
 noted for the hang check, which counts the server's silence from there.
 """
 

@@ -4,10 +4,10 @@ llama-server allocates its weights, KV pool and compute buffers when it loads, s
 memory is small all the time, and it says nothing about the server's room. What can hurt it is another process
 taking memory after it was ready: a compute buffer the server reallocates (a larger batch) may then not fit. So the
 policy holds restores and admissions back only while, on a device the server uses (the server names them in
-``/kv``, patch 21), memory taken by others has grown since the server's start and left less than
+``/kv``, patch 22), memory taken by others has grown since the server's start and left less than
 ``policy.gpu_headroom_mib`` free. NVML, where kvctl sees it, only refines the numbers of those same devices, matched
 by PCI bus id (never by PID: in a container kvctl does not see the server's). A server that names no device (a CPU
-build, or one without patch 21) never holds anything back for GPU memory.
+build, or one without patch 22) never holds anything back for GPU memory.
 """
 
 from __future__ import annotations

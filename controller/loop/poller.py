@@ -5,10 +5,10 @@
   ``loop.backoff_max_s``, never longer than half the server's lease (past it, the server would take its parked
   requests back from a controller it thinks is gone).
 * Timeout: the server answers between two batches, so a poll may wait behind the longest batch it may run: the
-  longer of the server's published step time (patch 23) and the next step's cells at its measured prompt rate,
+  longer of the server's published step time (patch 24) and the next step's cells at its measured prompt rate,
   twice over, within ``upstream.poll_timeout_max_s``; the poll right after an action that timed out waits as long
   as that action could have (wait_longer()).
-* Identity: a server that names its boot (patch 21) is a new process when the name changes, and what the loop knew
+* Identity: a server that names its boot (patch 22) is a new process when the name changes, and what the loop knew
   of its tasks is forgotten then (their ids start again); only polls, and only after their own timeout, mark the
   server down. A server that does not name itself is taken as restarted when it comes back after being down.
 """

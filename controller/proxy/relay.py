@@ -230,7 +230,7 @@ class Relay:
         server died (or, spawned, hung) goes on in the restarted server (replay)."""
         assert ctx.entry is not None
         if ctx.transcript is not None and upstream.headers.get(ANNOUNCE_HEADER) != "1":
-            ctx.transcript.drop("the server does not announce token ids (patch 0025)")
+            ctx.transcript.drop("the server does not announce token ids (patch 0026)")
         s = _Events(upstream, ctx.entry.t_start)
         try:
             while True:

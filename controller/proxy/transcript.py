@@ -2,7 +2,7 @@
 stage that drives it: ``controller.proxy.replay``).
 
 The patched server announces each streamed token's id after its event (``: tokens ID ...``, asked for with
-``X-Token-Ids: 1``) and continues a request from such ids (``continuation_tokens``, patch 0025): it evaluates the
+``X-Token-Ids: 1``) and continues a request from such ids (``continuation_tokens``, patch 0027): it evaluates the
 prompt and those tokens, takes them as generated (sampler history, length limits, usage, the text with its stop
 strings, the chat parser's state) and streams only what follows, opening no message, block or role again.
 

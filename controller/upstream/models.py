@@ -111,9 +111,9 @@ class ParkRates(_Shape):
     prompt_tokens_per_s: float | None = None
     """Evaluation rate of prompts and re-evaluations."""
     wall_bytes_per_s: float | None = None
-    """Rate of swap parks and resumes from request to answer (patch 23): a sliced copy spans several steps."""
+    """Rate of swap parks and resumes from request to answer (patch 24): a sliced copy spans several steps."""
     step_ms: float | None = None
-    """A decaying peak of the server's main-loop iteration (patch 23): how long a request may wait behind one."""
+    """A decaying peak of the server's main-loop iteration (patch 24): how long a request may wait behind one."""
 
 
 class ParkInfo(_Shape):
@@ -148,7 +148,7 @@ class Slot(_Shape):
     n_prefill_left: int = 0
     """Tokens still to evaluate before it generates: the rest of its prompt, or of a re-evaluation."""
     priority: int | None = None
-    """Its request's priority (patch 24; higher = more important); None: idle, or a server that does not say."""
+    """Its request's priority (patch 25; higher = more important); None: idle, or a server that does not say."""
     park: ParkInfo
 
     @property
@@ -181,14 +181,14 @@ class ParkArena(_Shape):
 
 
 class ServerIdentity(_Shape):
-    """Which process answers (patch 21): a new boot id is a restarted server, whose task ids start again."""
+    """Which process answers (patch 22): a new boot id is a restarted server, whose task ids start again."""
 
     boot_id: str
     t_start_ms: int
 
 
 class Device(_Shape):
-    """A device the server's models run on (patch 21; none on a CPU build), as its backend sees it."""
+    """A device the server's models run on (patch 22; none on a CPU build), as its backend sees it."""
 
     name: str
     description: str = ""

@@ -2,7 +2,7 @@
 (native, OpenAI chat, Anthropic Messages, OpenAI Responses).
 
 The supervisor restarts the server; the proxy waits for it (heartbeats meanwhile), sends each interrupted stream
-again with the token ids its client has (``continuation_tokens``, patch 0025), and splices the new stream in.
+again with the token ids its client has (``continuation_tokens``, patch 0027), and splices the new stream in.
 """
 
 from __future__ import annotations

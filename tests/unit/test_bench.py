@@ -66,6 +66,7 @@ def test_gpu_script_plans_every_stage_with_arguments_the_benchmarks_accept() -> 
         "[dry-run] build, unpatched",
         "[dry-run] model",
         "[dry-run] park speed",
+        "[dry-run] park layouts",
         "[dry-run] pressure",
         "[dry-run] cost",
     ]

@@ -1,7 +1,7 @@
 """GPU inputs that mean something (issue 18): only the devices the server runs on, and only what other processes take
 of them after the server started, hold restores and admissions back.
 
-A fake pynvml (in place of nvidia-ml-py) and the scripted fake server, which reports its devices in /kv as patch 21
+A fake pynvml (in place of nvidia-ml-py) and the scripted fake server, which reports its devices in /kv as patch 22
 does. That the real CPU server reports none is tested by the series (tools/server/tests/unit/test_kv_identity.py).
 """
 

@@ -111,7 +111,7 @@ async def test_a_poll_waits_behind_the_server_s_longest_batch(fake: FakeLlamaSer
 async def test_a_poll_s_timeout_follows_the_server_s_published_step_time(
     fake: FakeLlamaServer, client: UpstreamClient
 ) -> None:
-    # patch 23: the server's decaying peak of its main-loop iteration; the longer of it and the batch estimate counts
+    # patch 24: the server's decaying peak of its main-loop iteration; the longer of it and the batch estimate counts
     fake.kv = kv_body(1000, park_rates={"prompt_tokens_per_s": 1000.0, "step_ms": 1500.0})
     fake.kv["next_step"]["n_total_max"] = 512
     loop = make_loop(client, settings())
@@ -134,7 +134,7 @@ async def test_an_action_s_timeout_follows_its_snapshot_within_floor_and_ceiling
     assert await loop.step()
     assert loop.action_timeout_s(10 * 10**9) == 10, "at the measured 20 GB/s: 2 s, under the floor"
     assert loop.action_timeout_s(10**13) == 300, "the ceiling"
-    # patch 23: the measured rate of parks and resumes from request to answer (a sliced copy spans steps) wins
+    # patch 24: the measured rate of parks and resumes from request to answer (a sliced copy spans steps) wins
     fake.kv = kv_body(1000, park_rates={"copy_bytes_per_s": 20e9, "wall_bytes_per_s": 0.5e9})
     assert await loop.step()
     assert loop.action_timeout_s(10 * 10**9) == pytest.approx(0.3 + 2 * 20), "10 GB at 0.5 GB/s, twice over"

@@ -1,6 +1,6 @@
 """Replay at the proxy, against a fake server whose connections die on cue: the memory bound, the splice, the limit.
 
-The real server's continuation (patch 0025) is tested in the series' own tests and in tests/integration.
+The real server's continuation (patch 0027) is tested in the series' own tests and in tests/integration.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Upstream:
             )
         headers = {"Content-Type": "text/event-stream"}
         if self.announced[-1] and self.honours:
-            headers["X-Token-Ids"] = "1"  # this server announces the ids (patch 0025)
+            headers["X-Token-Ids"] = "1"  # this server announces the ids (patch 0026)
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         start = len(body.get("continuation_tokens", []))
