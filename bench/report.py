@@ -79,7 +79,7 @@ SECTIONS = [
     ),
     (
         "park_speed.md",
-        "Park at memory speed: bandwidth, decode stall and RSS (issue 17)",
+        "Park at memory speed: bandwidth, decode stall and RSS (issue 17, before patches 30 and 31)",
         "python -m bench.park_speed",
         "The kvheavy model (512 KiB of f32 KV a cell), four streams whose cells interleave; stream 0 is parked "
         "and resumed through the API at each size, twice (the first park grows the arena). GB/s is the snapshot "
@@ -97,7 +97,7 @@ SECTIONS = [
     ),
     (
         "park_speed_1g.md",
-        "Park at memory speed: a 1 GiB snapshot (issue 17)",
+        "Park at memory speed: a 1 GiB snapshot (issue 17, before patches 30 and 31)",
         "python -m bench.park_speed --sizes 1024 --prompt-mib 960 --slices 16M --out park_speed_1g",
         "As above at 1 GiB. Decoding 2048 tokens in four streams takes about half an hour a mode on 2 cores, "
         "so each stream starts from a 960 MiB prompt, prefilled in runs of up to a ubatch of consecutive cells, "
@@ -105,15 +105,32 @@ SECTIONS = [
         "contiguous runs.",
     ),
     (
-        "park_speed_stall_contiguous.md",
-        "Park in every cache layout: one long request beside three streams (issue 35)",
-        "python -m bench.park_speed --model kv64 --sizes 192 --prompt-mib 180 --long one --slices 16M --fa on,off "
-        "--cache f32,f16,q8_0 --out park_speed_stall_contiguous",
+        "park_speed_contiguous_f32.md",
+        "Park in every cache layout: one long request beside three streams, f32 (issue 35)",
+        "python -m bench.park_speed --model kv64 --sizes 192 --prompt-mib 190 --long one --slices 16M --fa on,off "
+        "--cache f32 --rss off --out park_speed_contiguous_f32",
         "Issue 35's setup: the kv64 model (64 layers of 64 KV channels, 32 KiB of f32 KV a cell, rows of 68 to "
-        "256 bytes), stream 0 a ~6,000-cell request (a 180 MiB prompt, then generation to 192 MiB) beside three "
-        "short streams, parked and resumed through the API twice (the first park grows the arena). The bound is "
-        "the issue's: the other streams' longest gap between tokens from the park request to stream 0's next "
-        "token within 2 of their decode steps (median gap without a park) + 5 ms. q8_0 needs flash attention.",
+        "256 bytes), stream 0 a ~6,000-cell request (a long prompt, prefilled in runs of contiguous cells, then "
+        "generation) beside three short streams, parked and resumed through the API four times (the first park "
+        "grows the arena). GB/s is the snapshot over the server's own `timings.copy_ms` (the copy and reading "
+        "the cell layout, summed over slices), the best of the last three, against numpy's memcpy of a buffer "
+        "at least 4x the last-level cache in the same run. The bound is the issue's: the other streams' longest "
+        "gap between tokens from the park request to stream 0's next token within 2 of their decode steps "
+        "(median gap without a park) + 5 ms.",
+    ),
+    (
+        "park_speed_contiguous_f16.md",
+        "Park in every cache layout: one long request beside three streams, f16 (issue 35)",
+        "python -m bench.park_speed --model kv64 --sizes 96 --prompt-mib 95 --long one --slices 16M --fa on,off "
+        "--cache f16 --rss off --out park_speed_contiguous_f16",
+        "As above with an f16 cache: the same ~6,000 cells.",
+    ),
+    (
+        "park_speed_contiguous_q8_0.md",
+        "Park in every cache layout: one long request beside three streams, q8_0 (issue 35)",
+        "python -m bench.park_speed --model kv64 --sizes 51 --prompt-mib 50 --long one --slices 16M --fa on "
+        "--cache q8_0 --rss off --out park_speed_contiguous_q8_0",
+        "As above with a q8_0 cache: the same ~6,000 cells (a quantized V cache needs flash attention).",
     ),
     (
         "park_speed_stall_interleaved.md",
@@ -125,17 +142,6 @@ SECTIONS = [
         "off (stored transposed) a gather of single 2- or 4-byte elements. 'same layout by numpy' is numpy "
         "doing that copy on buffers of the same shape: what this machine's memory gives the layout, the bound "
         "a park of it is held to.",
-    ),
-    (
-        "park_speed_bandwidth.md",
-        "Park at memory speed from 16 MiB to 1 GiB, f16 and q8_0, -fa on and off (issue 35)",
-        "python -m bench.park_speed --model kvheavy --sizes 16,64,256,1024 --prompt-mib auto --long one "
-        "--slices 16M --fa on,off --cache f16,q8_0 --rss off --out park_speed_bandwidth",
-        "The kvheavy model (256 KiB of f16 KV a cell), each size on its own server: stream 0 a prompt of all but "
-        "1 MiB of the size (one contiguous run of cells, the layout a long prompt leaves) beside three short "
-        "streams. GB/s is the snapshot over the server's own `timings.copy_ms` (the copy and reading the cell "
-        "layout, summed over slices), against numpy's memcpy of a buffer at least 4x the last-level cache in "
-        "the same run.",
     ),
     (
         "exactness.md",
@@ -346,7 +352,7 @@ def floors() -> str:
             fr = [r for r in sp if r["-fa"] == fa]
             worst = min(min(float(r["park / memcpy"]), float(r["resume / memcpy"])) for r in fr)
             add(
-                f"park and resume ≥ 80 % of memcpy, -fa {fa}, cells interleaved (issue 17)",
+                f"park and resume ≥ 80 % of memcpy, -fa {fa}, cells interleaved (issue 17's run, before patch 31)",
                 ", ".join(f"{r['snapshot MiB']} MiB: {r['park / memcpy']} / {r['resume / memcpy']}" for r in fr),
                 worst >= 0.8,
             )
@@ -354,7 +360,7 @@ def floors() -> str:
             if lay:
                 worst = min(min(float(r["park / layout"]), float(r["resume / layout"])) for r in lay)
                 add(
-                    f"park and resume ≥ 80 % of the same layout copied by numpy, -fa {fa} (what the memory gives)",
+                    f"park and resume ≥ 80 % of the same layout copied by numpy, -fa {fa} (issue 17's run, flat numpy)",
                     ", ".join(f"{r['snapshot MiB']} MiB: {r['park / layout']} / {r['resume / layout']}" for r in lay),
                     worst >= 0.8,
                 )
@@ -364,7 +370,7 @@ def floors() -> str:
             all(r["within bound"] == "yes" for r in sp),
         )
     # issue 35: every cache layout, contiguous against memcpy, interleaved against the layout, the stall bound
-    contig = [r for f in ("park_speed_stall_contiguous.md", "park_speed_bandwidth.md") for r in rows(f)]
+    contig = [r for c in ("f32", "f16", "q8_0") for r in rows(f"park_speed_contiguous_{c}.md")]
     for fa, cache in sorted({(r["-fa"], r["cache"]) for r in contig}):
         fr = [r for r in contig if (r["-fa"], r["cache"]) == (fa, cache)]
         worst = min(min(float(r["park / memcpy"]), float(r["resume / memcpy"])) for r in fr)
