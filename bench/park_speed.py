@@ -190,7 +190,7 @@ async def measure(
     prompt_mib: int = 0,
     long: str = "all",
     with_rss: bool = True,
-) -> tuple[list[dict[str, float]], dict[str, float] | None]:
+) -> tuple[list[dict[str, float]], dict[str, float]]:
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         n_prompt = prompt_mib * 1024**2 // cell_bytes
@@ -227,8 +227,10 @@ async def measure(
                 }
             )
         if not with_rss:
+            async with session.get(f"{url}/kv") as r:
+                pinned = (await r.json())["park_arena"]["pinned"]
             await streams.stop()
-            return out, None
+            return out, {"pinned": float(pinned)}
         # the arena gives its memory back: RSS before the last park, and keep + 5 s after the last resume
         await streams.stop(range(1, 4))
         await wait_kv(session, url, lambda kv: all(s["state"] == "idle" for s in kv["slots"][1:4]))
@@ -303,9 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         row = int(width * TYPE_BYTES[cache])
         layout_bytes = min(256, max(group)) * 1024**2
         layout = layout_gbps(fa, layout_bytes, row if row % el == 0 else width * el, el, spec.n_layer, width, n_ctx)
-        arena = "pinned" if pin == "on" and "-ngl" in args.server_args else "pageable"
-        if rss is not None:
-            arena = "pinned" if rss["pinned"] else "pageable"
+        arena = "pinned" if rss["pinned"] else "pageable"
+        if "after" in rss:  # measured (--rss on)
             ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
             rss_rows.append((fa, cache, sl, arena, rss["before"], rss["arena"], rss["after"], ok))
         for r in res:
