@@ -60,14 +60,16 @@ def layout_gbps(
     """The same copy as a park of n_bytes of one stream's KV out of a cache where `streams` streams interleave
     cell by cell, done by numpy on arrays of the cache's shape: K (and V with flash attention on) every
     `streams`-th row of `row` bytes; V with flash attention off (stored transposed: a row of n_ctx elements of `el`
-    bytes per layer and channel) every `streams`-th element of each channel's row. What this machine's memory
-    gives that layout."""
+    bytes per layer and channel) every `streams`-th element of each channel's row. With streams=1 (one long
+    request's contiguous cells) K is one block and a transposed V a run of the request's cells in each row of
+    n_ctx cells. What this machine's memory gives that layout."""
     half = n_bytes // 2 // row * row
     src = np.ones(half * streams, dtype=np.uint8)
     dst = np.ones(half, dtype=np.uint8)
     dt = {2: np.uint16, 4: np.uint32}[el]
     n = max(1, half // (n_layer * width * el))  # the stream's cells a layer
-    kv = min(n_ctx, streams * n + 1024)  # a channel's row: the cells in use and a gap before the next row
+    # a channel's row: the cells in use and a gap before the next row (one request: the whole pool's row)
+    kv = n_ctx if streams == 1 else min(n_ctx, streams * n + 1024)
     v_src = np.ones((n_layer * width, kv), dtype=dt)
     v_dst = np.ones((n_layer * width, n), dtype=dt)
 
@@ -304,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         el = 2 if cache == "f16" else 4
         row = int(width * TYPE_BYTES[cache])
         layout_bytes = min(256, max(group)) * 1024**2
-        layout = layout_gbps(fa, layout_bytes, row if row % el == 0 else width * el, el, spec.n_layer, width, n_ctx)
+        streams = 1 if prompt_mib and args.long == "one" else 4  # stream 0's cells: one run, or one in 4
+        layout = layout_gbps(
+            fa, layout_bytes, row if row % el == 0 else width * el, el, spec.n_layer, width, n_ctx, streams
+        )
         arena = "pinned" if rss["pinned"] else "pageable"
         if "after" in rss:  # measured (--rss on)
             ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
