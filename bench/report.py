@@ -135,6 +135,32 @@ SECTIONS = [
         "As above with a q8_0 cache: the same ~6,000 cells (a quantized V cache needs flash attention).",
     ),
     (
+        "park_speed_sweep_f16.md",
+        "Park in every cache layout: snapshot sizes, f16 (issue 35)",
+        "python -m bench.park_speed --model kv64 --sizes 16,64,256 --prompt-mib auto --long one --slices 16M "
+        "--fa on,off --cache f16 --rss off --out park_speed_sweep_f16",
+        "As above, each size on its own server, stream 0's prompt holding all but 1 MiB of it (one contiguous "
+        "run of cells; the pool four times that). 1 GiB of this model's f16 cache is 64k cells, whose prefill "
+        "does not fit a session on 2 cores: 1 GiB is measured on kvheavy below. A 16 MiB snapshot fits in the "
+        "last-level cache, so numpy's copy of its layout runs at cache speed, and a park's fixed costs (reading "
+        "the cell layout, taking the cells) weigh more.",
+    ),
+    (
+        "park_speed_sweep_q8_0.md",
+        "Park in every cache layout: snapshot sizes, q8_0 (issue 35)",
+        "python -m bench.park_speed --model kv64 --sizes 16,64 --prompt-mib auto --long one --slices 16M --fa on "
+        "--cache q8_0 --rss off --out park_speed_sweep_q8_0",
+        "As above with a q8_0 cache (256 MiB of it is 30k cells, a prefill beyond a session on 2 cores).",
+    ),
+    (
+        "park_speed_sweep_1g_f16.md",
+        "Park in every cache layout: a 1 GiB snapshot, f16 (issue 35)",
+        "python -m bench.park_speed --model kvheavy --sizes 1024 --prompt-mib auto --long one --slices 16M "
+        "--fa on,off --cache f16 --rss off --out park_speed_sweep_1g_f16",
+        "1 GiB on the kvheavy model (256 KiB of f16 KV a cell: 4,096 cells, a prefill that fits), one long "
+        "request beside three short streams, on its own server.",
+    ),
+    (
         "park_speed_stall_interleaved.md",
         "Park in every cache layout: cells interleaved with three other streams' (issue 35)",
         "python -m bench.park_speed --model kv64 --sizes 32 --slices 16M --fa on,off --cache f32,f16,q8_0 "
