@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from controller.admin.app import make_admin_app
-from controller.errors import Code
+from controller.errors import Code, KvctlError
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.planned import PlannedRestart
@@ -191,6 +191,26 @@ class App:
         assert self.planned is not None
         outcome = await self.planned.run(argv, force)
         return {"moved": outcome.moved, "failed": outcome.failed, "seconds": outcome.seconds}
+
+    async def drain(self, peers: list[str] | None) -> dict[str, Any]:
+        """POST /drain (controller.proxy.drain): every request to a peer, then the spawned server stopped."""
+        if self.proxy is None:
+            raise KvctlError(409, Code.SERVER_NOT_READY, "the proxy is not listening yet", 2)
+        supervisor = self.supervisor
+        outcome = await self.proxy.drain_to_peers(peers, supervisor.stop if supervisor is not None else None)
+        return {
+            "moved": outcome.moved,
+            "finished_here": outcome.finished_here,
+            "failed": outcome.failed,
+            "seconds": outcome.seconds,
+        }
+
+    async def _supervise(self) -> None:
+        assert self.supervisor is not None
+        await self.supervisor.run()
+        if self.proxy is not None and self.proxy.drainer.done:
+            # drained: the server was stopped on purpose, and kvctl relays the moved streams until it is stopped
+            await asyncio.Event().wait()
 
     def _server_comes_back(self) -> bool:
         """Whether a server that does not answer now is expected back: a spawned one until the supervisor gives up
@@ -366,6 +386,7 @@ class App:
                 loop_alive=self._loop_alive,
                 draining=lambda: self.proxy is not None and self.proxy.draining,
                 restart_server=self.restart_server if self.planned is not None else None,
+                drain=self.drain,
             ),
             handle_signals=False,
             access_log=None,
@@ -387,7 +408,7 @@ class App:
                 policy=self.settings.policy.model_dump(mode="json"),
             )
             if self.supervisor is not None:
-                tasks["supervisor"] = asyncio.create_task(self.supervisor.run(), name="supervisor")
+                tasks["supervisor"] = asyncio.create_task(self._supervise(), name="supervisor")
             self._loop_task = tasks["control loop"] = asyncio.create_task(self.loop.run(), name="control loop")
             try:
                 await self._start_proxy()
@@ -421,6 +442,10 @@ class App:
             return code
         finally:
             log.info("kvctl.stopping")
+            if self.proxy is not None and self.settings.proxy.drain_peers and not self.proxy.drainer.done:
+                # peers configured: the requests move there first, and the server stops once it holds none
+                with contextlib.suppress(KvctlError):
+                    await self.drain(None)
             if self.proxy is not None:
                 # readiness turns 503 and new requests get 503 at once; open ones get proxy.drain_s to finish
                 t0 = time.monotonic()

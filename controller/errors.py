@@ -69,6 +69,8 @@ class Code(StrEnum):
     """A controller route (a slot action, `GET /kv`) on the client port: 403, it is on kvctl's admin API."""
     SERVER_REPLACED = "server_replaced"
     """The server was restarted with another model (a forced planned restart): the request cannot be continued."""
+    PEER_FORBIDDEN = "peer_forbidden"
+    """A request with `X-Kvctl-Peer` whose key is not this kvctl's `proxy.peer_api_key` (or it has none): 403."""
     SERVER_FAILED = "server_failed"
     """The supervised server died before it was ready supervisor.failed_after times in a row and is not started
     again: a 503 without Retry-After, since waiting does not help."""
@@ -90,6 +92,9 @@ class Code(StrEnum):
     """A planned restart needs a running server kvctl spawned."""
     NOT_SPAWNED = "not_spawned"
     """kvctl attaches to this server: it cannot restart it."""
+    DRAIN_IN_PROGRESS = "drain_in_progress"
+    INVALID_PEERS = "invalid_peers"
+    """`POST /drain`: no peer to drain to (none given, `proxy.drain_peers` empty), or one that is not an http(s) URL."""
     ACTION_TIMEOUT = "action_timeout"
     """A park or resume was not answered in time; it may still complete (``GET /status`` tells)."""
 

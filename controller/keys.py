@@ -47,6 +47,8 @@ class Identity:
 
     name: str | None
     key: ApiKey | None = None
+    peer: bool = False
+    """Another kvctl moving a request here (a drain), with ``proxy.peer_api_key``: it checked the client."""
 
 
 class KeyFileError(ValueError):

@@ -205,6 +205,17 @@ class ProxySettings(_Group):
     a spawned server is stopped. systemd's `TimeoutStopSec` and Kubernetes' `terminationGracePeriodSeconds` must
     cover this plus `supervisor.stop_timeout_s`."""
 
+    drain_peers: list[HttpUrl] = Field(default_factory=list)
+    """Other kvctl listeners serving the same model (`http://host:port`, or a Service's URL): `POST /drain`,
+    `kvctl drain` and, when set, SIGTERM move this replica's queued, running and parked requests there before its
+    server stops (docs/operations.md, Draining a replica to its peers). `kvctl run --drain-peer URL` adds one."""
+
+    peer_api_key: SecretStr | None = None
+    """The key replicas send each other in `X-Kvctl-Peer` when a drain moves a request: it stands for the client's
+    credentials, which the draining replica checked. Set the same on every replica; a request with a wrong one gets
+    403, and a replica without one takes no moved requests. A peer's request gets the priority the draining replica
+    gave it."""
+
     tls_cert_file: Path | None = None
     """PEM certificate chain for TLS on the public listener; plain HTTP when unset."""
 

@@ -9,6 +9,7 @@
 | ``POST /slots/{id}/park`` | park the slot's request and pin it: the policy leaves it parked (``?mode=``: see below) |
 | ``POST /slots/{id}/resume`` | resume it (and unpin) |
 | ``POST /server/restart`` | restart the spawned server, optionally with a new command line, continuing every request |
+| ``POST /drain`` | move every request to peers (``{"peers": [...]}``, or ``proxy.drain_peers``), stop the server |
 
 A park goes by the server's choice of mode (swap when the snapshot fits its ``--park-ram``, else recompute)
 unless ``?mode=swap`` or ``?mode=recompute`` asks for one; an explicit swap that does not fit is the server's 503.
@@ -26,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
@@ -117,6 +119,7 @@ class _Admin:
     readiness: Readiness
     draining: Callable[[], bool] = lambda: False
     restart_server: RestartServer | None = None
+    drain: DrainReplica | None = None
     started: float = field(default_factory=time.monotonic)
     _above_high_since: float | None = None
 
@@ -187,6 +190,10 @@ RestartServer = Callable[[list[str] | None, bool], Awaitable[dict[str, Any]]]
 """A planned restart of the spawned server (controller.planned): the new command line or None, force; the answer's
 body, or KvctlError."""
 
+DrainReplica = Callable[[list[str] | None], Awaitable[dict[str, Any]]]
+"""A drain to peers (controller.proxy.drain): the peers or None (proxy.drain_peers); the answer's body, or
+KvctlError."""
+
 _ADMIN = web.AppKey("admin", _Admin)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -199,6 +206,7 @@ def make_admin_app(
     loop_alive: Callable[[], bool] = lambda: True,
     draining: Callable[[], bool] = lambda: False,
     restart_server: RestartServer | None = None,
+    drain: DrainReplica | None = None,
 ) -> web.Application:
     token = settings.admin.token.get_secret_value() if settings.admin.token is not None else None
 
@@ -234,6 +242,7 @@ def make_admin_app(
         Readiness(settings.admin.unready_after_s, settings.admin.ready_after_s),
         draining,
         restart_server,
+        drain,
     )
     app[_ADMIN] = admin
     loop.add_poll_listener(admin.evaluate)  # readiness' timers follow every poll, not only probe calls
@@ -245,6 +254,7 @@ def make_admin_app(
     app.router.add_post("/slots/{id}/park", _manual, expect_handler=_expect)
     app.router.add_post("/slots/{id}/resume", _manual, expect_handler=_expect)
     app.router.add_post("/server/restart", _restart_server, expect_handler=_expect)
+    app.router.add_post("/drain", _drain, expect_handler=_expect)
     app.router.add_route("*", "/{tail:.*}", _no_route, expect_handler=_expect)  # last: what no route above takes
     return app
 
@@ -333,3 +343,32 @@ async def _restart_server(request: web.Request) -> web.StreamResponse:
         log.warning("restart.refused", status=e.status, code=e.code, error=e.message)
         return admin_error_response(e.status, e.message, e.code, e.retry_after_s)
     return web.json_response(answer, headers={ORIGIN_HEADER: "kvctl"})
+
+
+async def _drain(request: web.Request) -> web.StreamResponse:
+    """``POST /drain`` with an optional ``{"peers": ["http://host:port", ...]}``: controller.proxy.drain."""
+    admin = request.app[_ADMIN]
+    if admin.drain is None:
+        return admin_error_response(409, "this kvctl has no proxy to drain", Code.SERVER_NOT_READY)
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return admin_error_response(400, "the body must be a JSON object", Code.INVALID_PEERS)
+    if not isinstance(body, dict) or set(body) - {"peers"}:
+        return admin_error_response(400, 'the body takes only "peers" (a list of URLs)', Code.INVALID_PEERS)
+    peers = body.get("peers")
+    if peers is not None and not (isinstance(peers, list) and all(isinstance(p, str) and _http_url(p) for p in peers)):
+        message = '"peers" must be a list of http(s) URLs of other kvctl listeners, e.g. "http://10.0.0.7:8080"'
+        return admin_error_response(400, message, Code.INVALID_PEERS)
+    try:
+        answer = await admin.drain(peers or None)
+    except KvctlError as e:
+        log.warning("drain.refused", status=e.status, code=e.code, error=e.message)
+        return admin_error_response(e.status, e.message, e.code, e.retry_after_s)
+    return web.json_response(answer, headers={ORIGIN_HEADER: "kvctl"})
+
+
+def _http_url(value: str) -> bool:
+    parts = urlsplit(value)
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and not parts.query and not parts.fragment

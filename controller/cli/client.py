@@ -201,6 +201,34 @@ async def restart_server(admin: Admin, argv: list[str] | None, force: bool, as_j
     return EXIT_OK if not failed else EXIT_DEGRADED
 
 
+DRAIN_TIMEOUT_S = 900.0
+"""A drain waits for every request to move, or proxy.drain_s for those that finish here, then the server to stop."""
+
+
+async def drain(admin: Admin, peers: list[str] | None, as_json: bool) -> int:
+    """``kvctl drain [--to URL ...]``: POST /drain."""
+    body: dict[str, Any] = {"peers": peers} if peers else {}
+    async with _session(DRAIN_TIMEOUT_S) as session:
+        try:
+            code, text = await admin.request(session, "POST", "/drain", body)
+            if (failure := admin.refused_token(code)) is not None:
+                raise failure
+        except _Failure as e:
+            print(f"kvctl: {e}", file=sys.stderr)
+            return e.code
+    if code != 200:
+        return _refused(admin, code, text, "kvctl drain")
+    try:
+        answer = json.loads(text)
+        moved, here, failed, seconds = answer["moved"], answer["finished_here"], answer["failed"], answer["seconds"]
+    except (ValueError, KeyError, TypeError):
+        print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    line = f"drained in {seconds} s: {moved} moved, {here} finished here, {failed} failed"
+    print(text.rstrip("\n") if as_json else line)
+    return EXIT_OK if not failed else EXIT_DEGRADED
+
+
 def _refused(admin: Admin, code: int, text: str, what: str) -> int:
     """An admin API error answer: its message on stderr, and the exit code."""
     try:

@@ -1,4 +1,4 @@
-"""``kvctl run | status | park | resume | restart-server``.
+"""``kvctl run | status | park | resume | restart-server | drain``.
 
 ``status`` renders the admin API's ``GET /status`` model (controller.admin.status) as text, or prints it
 as served; the rendering lives here, the model stays data only. The client commands print text
@@ -24,6 +24,7 @@ from controller.cli.client import (
     EXIT_USAGE,
     Admin,
     admin_url,
+    drain,
     manual,
     restart_server,
     show_status,
@@ -95,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start and supervise the server: kvctl run --spawn -- llama-server ARGS...",
     )
+    run.add_argument(
+        "--drain-peer",
+        metavar="URL",
+        action="append",
+        help="another kvctl listener that a drain (kvctl drain, SIGTERM) moves requests to; repeatable "
+        "(proxy.drain_peers)",
+    )
 
     for name, text in (
         ("status", "print kvctl's status: upstream, pool, parked requests, memory and slots"),
@@ -104,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
             "restart-server",
             "restart the server kvctl spawned, losing no chat (an upgrade: kvctl restart-server -- llama-server ARGS)",
         ),
+        ("drain", "move every request to peer replicas and stop the server (kvctl drain [--to URL ...])"),
     ):
         c = sub.add_parser(
             name,
@@ -124,7 +133,9 @@ def _parser() -> argparse.ArgumentParser:
             "--json",
             action="store_true",
             help="print the admin API's answer as served ("
-            + {"status": "GET /status", "restart-server": "POST /server/restart"}.get(name, f"POST /slots/ID/{name}")
+            + {"status": "GET /status", "restart-server": "POST /server/restart", "drain": "POST /drain"}.get(
+                name, f"POST /slots/ID/{name}"
+            )
             + "; the default when stdout is not a terminal)",
         )
         form.add_argument("--text", action="store_true", help="print the text view (the default on a terminal)")
@@ -141,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
                 "--force",
                 action="store_true",
                 help="restart even with another model (running requests then end with an error)",
+            )
+        elif name == "drain":
+            c.add_argument(
+                "--to",
+                metavar="URL",
+                action="append",
+                help="a peer kvctl listener, e.g. http://10.0.0.7:8080; repeatable (default: proxy.drain_peers)",
             )
         else:
             c.add_argument("slot", type=_slot_id, help="slot id")
@@ -199,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("kvctl restart-server: '--' needs the server's new command line after it", file=sys.stderr)
             return EXIT_USAGE
         return asyncio.run(restart_server(admin, server_argv, args.force, as_json))
+    if args.command == "drain":
+        return asyncio.run(drain(admin, args.to, as_json))
     return asyncio.run(manual(admin, args.command, args.slot, as_json, getattr(args, "mode", None)))
 
 
@@ -222,6 +242,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, server_argv:
         overrides.setdefault("admin", {})["listen"] = args.admin
     if server_argv:
         overrides.setdefault("supervisor", {})["spawn"] = server_argv
+    if args.drain_peer:
+        overrides.setdefault("proxy", {})["drain_peers"] = args.drain_peer
     try:
         settings = load_settings(args.config, overrides)
     except SettingsError as e:

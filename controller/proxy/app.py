@@ -27,7 +27,7 @@ import contextlib
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -50,6 +50,7 @@ from controller.proxy.context import (
     priority_var,
     request_id_var,
 )
+from controller.proxy.drain import Drain, DrainOutcome
 from controller.proxy.endpoint_metrics import EndpointMetrics
 from controller.proxy.forward import Upstream
 from controller.proxy.framing import Errors
@@ -57,7 +58,15 @@ from controller.proxy.frontdoor import AskServer, Cors, FrontDoor
 from controller.proxy.inspection import BadRequest, GenerationBody, read_generation
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Ownership
-from controller.proxy.priority import PRIORITY_HEADER, InvalidPriority, Priority, PriorityRules, resolve_priority
+from controller.proxy.peers import Peers
+from controller.proxy.priority import (
+    PRIORITY_HEADER,
+    InvalidPriority,
+    Priority,
+    PriorityRules,
+    header_priority,
+    resolve_priority,
+)
 from controller.proxy.relay import Relay
 from controller.proxy.replay import Replay
 from controller.proxy.restart import ModelsCache, loading_response
@@ -119,6 +128,9 @@ class Proxy:
             config, self.upstream, writer, self.errors, self.replay, self.ownership, self.tracker, self.metrics
         )
         self.relay.models_cache = self.models_cache
+        self.peers = Peers(config, self.upstream)
+        self.replay.peers = self.peers
+        self.drainer = Drain(config, self.tracker, self.peers, self.state, self.metrics)
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._idle = asyncio.Event()
         self._idle.set()
@@ -179,6 +191,14 @@ class Proxy:
         for t in rest:
             t.cancel()
         return len(left)
+
+    async def drain_to_peers(
+        self, peers: Sequence[str] | None, stop_server: Callable[[], Awaitable[None]] | None
+    ) -> DrainOutcome:
+        """Move every request to ``peers`` (default proxy.drain_peers) and stop the server once it holds none
+        (controller.proxy.drain); KvctlError when a drain runs already or there is no peer."""
+        urls = [p.rstrip("/") for p in peers] if peers else list(self.config.drain_peers)
+        return await self.drainer.run(urls, stop_server)
 
     def fail(self, message: str) -> int:
         """The supervisor gave up on the server: every request that needs it is answered at once with ``message``
@@ -264,7 +284,7 @@ class Proxy:
             return await self.passthrough(RequestContext(request, None, asset_probe=True)), None
         if not isinstance(ident, Identity):
             return ident, None
-        refused = await self.front.turn_away(request, route)
+        refused = await self.front.turn_away(request, route, ident)
         if refused is not None:
             return refused, ident
         ctx = RequestContext(request, route, ident)
@@ -349,7 +369,12 @@ class Proxy:
         try:
             body = read_generation(route, self.routes, request.headers, request.content_type, ctx.body)
             key = ident.key if ident is not None else None
-            priority = resolve_priority(body.fields, request.headers, key, self.priority_rules)
+            if ident is not None and ident.peer:
+                # moved by a drain: the priority the other replica gave it, whatever the body asks
+                value = header_priority(request.headers.getall(PRIORITY_HEADER, []))
+                priority = Priority(value if value is not None else 0, "peer")
+            else:
+                priority = resolve_priority(body.fields, request.headers, key, self.priority_rules)
         except BadRequest as e:
             return await self.errors.kvctl_error(request, e.status, e.message, e.code)
         except InvalidPriority as e:
@@ -392,9 +417,20 @@ class Proxy:
         )
         try:
             t_queue = time.monotonic()
+            if self.state.draining and ctx.raw:
+                # a resumable conversation lives in this server's buffer, which is about to stop
+                message = "kvctl is draining to its peers; send the conversation to another replica"
+                return await self.errors.kvctl_error(
+                    ctx.request, 503, message, Code.SHUTTING_DOWN, self.config.retry_after_s
+                )
+            if self.state.drain_peers and self.state.draining:
+                entry.peers = self.drainer.order()  # draining: it goes to a peer whole, not to this server
+                entry.move.set()
             try:
-                await self.admission.wait(ctx, body, priority.value)
+                if not entry.move.is_set():
+                    await self.admission.wait(ctx, body, priority.value)
             except AdmissionRefused as e:
+                entry.errored = True
                 return await self.errors.refuse(ctx, e.message, e.code)
             self.metrics.admission_wait.labels(priority_class=self.priority_class_of(priority.value)).observe(
                 time.monotonic() - t_queue

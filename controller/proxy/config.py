@@ -49,6 +49,8 @@ class ProxyConfig:
     replay_limit: int = _default(ProxySettings, "replay_limit")  # continuations of a stream whose server died; 0: off
     replay_timeout_s: float = _default(ProxySettings, "replay_timeout_s")
     replay_memory_bytes: int = _default(ProxySettings, "replay_memory_mib") << 20
+    drain_peers: tuple[str, ...] = ()  # other kvctl listeners a drain moves requests to
+    peer_api_key: str | None = None  # X-Kvctl-Peer, sent to peers and checked on what they send
     admin_port: int | None = None  # kvctl's admin API, named where a client asks the proxy for a controller route
 
     @classmethod
@@ -80,5 +82,7 @@ class ProxyConfig:
             replay_limit=p.replay_limit,
             replay_timeout_s=p.replay_timeout_s,
             replay_memory_bytes=p.replay_memory_mib << 20,
+            drain_peers=tuple(str(u).rstrip("/") for u in p.drain_peers),
+            peer_api_key=p.peer_api_key.get_secret_value() if p.peer_api_key else None,
             admin_port=split_host_port(settings.admin.listen)[1],
         )

@@ -104,6 +104,14 @@ class Inflight:
     ended: asyncio.Future[Stop] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Set (to the reason) when kvctl ends the request itself: a hung server, a shutdown."""
     upstream: aiohttp.ClientResponse | None = None
+    context: RequestContext | None = None  # the request itself (a drain reads what it can move)
+    peers: tuple[str, ...] = ()
+    """A drain's peers for this request, in the order to try them (set before ``move`` is)."""
+    move: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by a drain: go to a peer (a queued request whole, a stream continued from its ids)."""
+    on_peer: str | None = None  # the peer that took it
+    stays: bool = False  # a drain left it here: it cannot move, or no peer took it
+    errored: bool = False  # its client got an error (an error event, or an error answer kvctl wrote)
 
     def end(self, reason: Stop) -> None:
         if not self.ended.done():
@@ -141,6 +149,8 @@ class ServerState:
     restarts: Callable[[], int] | None = None
     """The supervisor's restart count when kvctl spawned the server: a hung server's streams wait for its restart."""
     draining: bool = False
+    drain_peers: tuple[str, ...] = ()
+    """While a drain to peers runs: the peers that can take requests (new generations go to them)."""
     comes_back: Callable[[], bool] | None = None
     """Whether a server that does not answer now is expected back (spawned and not given up on, or attached and
     answered before); set by the App. None (a proxy without a controller): it is not, and is answered at once."""
@@ -184,4 +194,5 @@ class RequestContext:
     def track(self, route: str, state: Phase = Phase.QUEUED) -> Inflight:
         """A new entry for this request, started now."""
         self.entry = Inflight(self.request_id or "", self.client_request_id, route, time.monotonic(), state)
+        self.entry.context = self
         return self.entry

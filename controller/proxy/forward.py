@@ -26,7 +26,7 @@ from controller.proxy.context import RequestContext, Stop
 from controller.proxy.priority import PRIORITY_HEADER
 from controller.proxy.transcript import OPT_OUT_HEADER
 
-__all__ = ["CREDENTIALS", "HOP_BY_HOP", "Opened", "Upstream", "UpstreamEnded", "upstream_body"]
+__all__ = ["CREDENTIALS", "HOP_BY_HOP", "Moving", "Opened", "Upstream", "UpstreamEnded", "upstream_body"]
 
 log = structlog.get_logger("kvctl.proxy")
 
@@ -62,6 +62,10 @@ class UpstreamEnded(Exception):
         self.reason = reason
 
 
+class Moving(Exception):
+    """A drain moves the request to a peer before the server's response started: it was withdrawn here."""
+
+
 class Upstream:
     def __init__(self, config: ProxyConfig, keys: KeyRing, api_prefix: str) -> None:
         self.config = config
@@ -89,18 +93,20 @@ class Upstream:
         own_keys = bool(self.keys)
         # X-Priority: kvctl sets the effective one on a generation request (the caller, once it is known), and the
         # server reads it over the body's; on anything else a client's has no business reaching the server
+        ident = ctx.ident
+        peer = ident is not None and ident.peer  # another kvctl's drain: the peer key stands for the credentials
         drop = (
             HOP_BY_HOP
             | {"x-request-id", "x-park-lease", "content-length", PRIORITY_HEADER.lower(), OPT_OUT_HEADER.lower()}
-            | (set(CREDENTIALS) if own_keys else set())
+            | {"x-kvctl-peer"}
+            | (set(CREDENTIALS) if own_keys or peer else set())
         )
         headers = {k: v for k, v in ctx.request.headers.items() if k.lower() not in drop}
         if ctx.request_id is not None:
             headers["X-Request-Id"] = ctx.request_id
         if generation:
             headers["Accept-Encoding"] = "identity"  # the relay reads the SSE events
-        ident = ctx.ident
-        if own_keys and ident is not None and ident.key is not None and self.config.upstream_api_key:
+        if (peer or (own_keys and ident is not None and ident.key is not None)) and self.config.upstream_api_key:
             headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
         return headers
 
@@ -130,7 +136,8 @@ class Upstream:
             ctx.request.method, URL(self.url(ctx), encoded=True), data=upstream_body(body), headers=ctx.headers
         )
         opening: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(cm.__aenter__())
-        either: set[asyncio.Future[Any]] = {opening, entry.ended}
+        moving = asyncio.ensure_future(entry.move.wait())
+        either: set[asyncio.Future[Any]] = {opening, entry.ended, moving}
         try:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -138,12 +145,16 @@ class Upstream:
             opening.cancel()
             opening.add_done_callback(_close_response)
             raise
+        finally:
+            moving.cancel()
         if opening.done() and not entry.ended.done():
             return cm, opening.result()
         opening.cancel()
         opening.add_done_callback(_close_response)
         with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
             await opening
+        if not entry.ended.done():
+            raise Moving()  # withdrawn here (the server drops a request whose connection closed)
         raise UpstreamEnded(entry.ended.result())
 
     async def send_detached(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> None:

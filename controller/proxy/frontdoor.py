@@ -8,6 +8,7 @@ coming back, the private routes.
 
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from controller.proxy.forward import Upstream
 from controller.proxy.framing import Errors
 from controller.proxy.inspection import has_dot_segments, is_utf8
 from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.peers import PEER_HEADER
 from controller.proxy.routes import Kind, Route, RouteTable
 
 __all__ = ["AskServer", "Cors", "FrontDoor"]
@@ -156,6 +158,9 @@ class FrontDoor:
         path = request.path
         if path in PUBLIC_PATHS:
             return Identity(None)
+        given = request.headers.get(PEER_HEADER)
+        if given is not None:
+            return await self._peer(request, given)
         asset = request.method in ("GET", "HEAD") and not self.routes.is_api_path(path)
         if self.keys:
             ident = self.keys.check(request.headers)
@@ -176,6 +181,16 @@ class FrontDoor:
         headers = CIMultiDict((k, v) for k, v in answer.headers if not k.lower().startswith("access-control-"))
         headers.update(await self.errors.cors(request))
         return web.Response(status=answer.status, body=answer.body, headers=headers)
+
+    async def _peer(self, request: web.Request, given: str) -> Identity | web.StreamResponse:
+        """Another kvctl's drain, with the peer key: it checked the client's credentials. A wrong key is a 403."""
+        want = self.config.peer_api_key
+        # surrogateescape: a header that is not UTF-8 must fail the comparison, not the handler
+        if want and hmac.compare_digest(given.encode("utf-8", "surrogateescape"), want.encode()):
+            return Identity("peer", peer=True)
+        self.metrics.auth_failures.inc()
+        message = "wrong X-Kvctl-Peer key" if want else "this kvctl takes no moved requests (proxy.peer_api_key unset)"
+        return await self.errors.kvctl_error(request, 403, message, Code.PEER_FORBIDDEN)
 
     async def _ask_server(self, request: web.Request) -> Answer | web.Response:
         """The server's answer about the client's credential. While the server is coming back: its last answer for
@@ -209,10 +224,13 @@ class FrontDoor:
             return answer
         return await self.errors.service_unavailable(request, *self.errors.unreachable(error))
 
-    async def turn_away(self, request: web.Request, route: Route | None) -> web.Response | None:
+    async def turn_away(
+        self, request: web.Request, route: Route | None, ident: Identity | None = None
+    ) -> web.Response | None:
         """An authenticated request the listener does not take now (draining, the server not coming back) or at all
-        (a private route)."""
-        if self.state.draining:
+        (a private route). While a drain to peers runs, a client's generation goes on to a peer."""
+        to_peer = route is not None and route.kind is Kind.GENERATION and not (ident is not None and ident.peer)
+        if self.state.draining and not (to_peer and self.state.drain_peers):
             return await self.errors.kvctl_error(
                 request, 503, "kvctl is shutting down", Code.SHUTTING_DOWN, self.config.retry_after_s
             )

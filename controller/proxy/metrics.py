@@ -35,6 +35,7 @@ class ProxyMetrics:
     heartbeats: Counter = field(init=False)
     auth_failures: Counter = field(init=False)
     replays: Counter = field(init=False)
+    moves: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -75,6 +76,15 @@ class ProxyMetrics:
         )
         for outcome in ("sent", "gave_up", "refused"):
             self.replays.labels(outcome=outcome)
+        self.moves = Counter(
+            "kvctl_proxy_drain_moves",
+            "Requests a drain handled, by outcome: sent to a peer (moved), refused by one peer (refused: the next is "
+            "tried), or left to finish here (stayed: not movable, or no peer took it)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("moved", "refused", "stayed"):
+            self.moves.labels(outcome=outcome)
 
     def count(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

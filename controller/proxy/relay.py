@@ -292,6 +292,8 @@ class Relay:
 
     async def _fail(self, ctx: RequestContext, s: _Events, end: End) -> None:
         status, message, code = self.errors.stream_error(ctx, end)
+        if ctx.entry is not None:
+            ctx.entry.errored = True
         self.metrics.stream_errors.labels(stage=code).inc()
         log.warning("stream.ended", request_id=ctx.request_id, reason=code, error=str(end))
         if s.held:

@@ -19,11 +19,12 @@ import structlog
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import End, Phase, RequestContext, ServerState, Silence
-from controller.proxy.forward import Opened, Upstream, UpstreamEnded
+from controller.proxy.forward import Moving, Opened, Upstream, UpstreamEnded
 from controller.proxy.framing import error_from_body
 from controller.proxy.inspection import GenerationBody, one_completion
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Owners
+from controller.proxy.peers import PeerRefused, Peers
 from controller.proxy.routes import Kind
 from controller.proxy.sse import has_data
 from controller.proxy.transcript import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
@@ -52,6 +53,7 @@ class Replay:
         self.state = state
         self.memory = memory
         self.completion_ids = completion_ids
+        self.peers: Peers | None = None  # where a drain moves requests (controller.proxy.drain)
 
     def begin(self, ctx: RequestContext, body: GenerationBody) -> None:
         """Whether the request may be sent again, and its transcript when its stream may be continued (a client
@@ -73,9 +75,15 @@ class Replay:
         resends = 0
         deadline: float | None = None
         while True:
+            if ctx.entry.move.is_set():
+                opened = await self.to_peer(ctx, ctx.body)
+                if opened is not None:
+                    return opened
             try:
                 ctx.entry.sent_epoch = self.epoch()
                 return await self.upstream.send(ctx, ctx.body)
+            except Moving:
+                continue  # withdrawn here: to a peer whole
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 refused = isinstance(e, aiohttp.ClientConnectorError)
                 public = ctx.route is not None and ctx.route.kind is Kind.PUBLIC  # a health probe: answered at once
@@ -122,6 +130,13 @@ class Replay:
         if entry.ended.done():
             return None
         why = str(end)
+        if entry.move.is_set():
+            # a drain cut the stream: continued on a peer, else here (the server here still runs)
+            transcript.replays += 1
+            opened = await self.to_peer(ctx, transcript.continuation())
+            if opened is not None:
+                return opened
+            transcript.replays -= 1
         deadline = time.monotonic() + self.config.replay_timeout_s
         while transcript.replays < self.config.replay_limit and time.monotonic() < deadline:
             transcript.replays += 1
@@ -147,6 +162,36 @@ class Replay:
         self.metrics.replays.labels(outcome="gave_up").inc()
         log.warning("replay.gave_up", request_id=transcript.request_id, attempts=transcript.replays)
         return None
+
+    async def to_peer(self, ctx: RequestContext, body: bytes) -> Opened | None:
+        """A drain moves the request: ``body`` (the request whole, or continued from its ids) to its peers in turn;
+        the first one's response, or None when none took it (the request then stays here, and is not moved again)."""
+        entry = ctx.entry
+        assert entry is not None and self.peers is not None
+        for peer in entry.peers:
+            try:
+                sending = self.peers.send(ctx, peer, body)
+                # a client that has a response gets heartbeats while the peer has not started its own
+                opened = await (self._beating(ctx, sending) if ctx.response is not None else sending)
+            except (PeerRefused, aiohttp.ClientError, OSError, TimeoutError) as e:
+                self.metrics.moves.labels(outcome="refused").inc()
+                log.warning("drain.peer_refused", request_id=ctx.request_id, peer=peer, error=str(e) or repr(e))
+                if entry.ended.done():
+                    return None
+                continue
+            entry.on_peer = peer
+            self.metrics.moves.labels(outcome="moved").inc()
+            log.info("drain.moved", request_id=ctx.request_id, peer=peer, tokens=self._tokens(ctx))
+            return opened
+        entry.stays = True
+        entry.move.clear()
+        self.metrics.moves.labels(outcome="stayed").inc()
+        log.warning("drain.stays", request_id=ctx.request_id, reason="no peer took it")
+        return None
+
+    @staticmethod
+    def _tokens(ctx: RequestContext) -> int | None:
+        return len(ctx.transcript.ids) if ctx.transcript is not None and ctx.transcript.replays else None
 
     async def _answered(
         self, ctx: RequestContext, transcript: Transcript, cm: Any, upstream: aiohttp.ClientResponse

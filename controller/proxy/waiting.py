@@ -109,14 +109,17 @@ class Admission:
     async def _heartbeating(self, ctx: RequestContext, admit: asyncio.Future[None], stream: bool) -> None:
         assert ctx.entry is not None
         entry = ctx.entry
+        moving = asyncio.ensure_future(entry.move.wait())
         try:
             deadline = time.monotonic() + self.config.queue_grace_s
             while True:
                 wait = deadline - time.monotonic() if ctx.response is None else self.config.heartbeat_s
-                either: set[asyncio.Future[Any]] = {admit, entry.ended}
+                either: set[asyncio.Future[Any]] = {admit, entry.ended, moving}
                 done, _ = await asyncio.wait(either, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED)
                 if entry.ended.done():
                     raise AdmissionRefused(*self.errors.end_message(entry.ended.result()))
+                if moving.done():
+                    return  # a drain sends it to a peer whole (controller.proxy.drain)
                 if done:
                     try:
                         admit.result()
@@ -131,6 +134,7 @@ class Admission:
                     await self.writer.prepare_sse(ctx, {**await self.errors.cors(ctx.request), **ids})
                 await self.writer.heartbeat(ctx, "server restarting" if self.gate.down_since is not None else "queued")
         finally:
+            moving.cancel()
             if not admit.done():
                 admit.cancel()
             elif not admit.cancelled():

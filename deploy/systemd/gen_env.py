@@ -32,6 +32,7 @@ from controller.settings import Settings  # noqa: E402
 OUT = Path(__file__).with_name("kvctl.env")
 WIDTH = 100
 LIST_EXAMPLE = "'" + json.dumps(["/usr/local/bin/llama-server", "-m", "m.gguf"]) + "'"
+URL_LIST_EXAMPLE = "'[\"http://10.0.0.7:8080\", \"http://10.0.0.8:8080\"]'"
 
 HEADER = """\
 # kvctl settings for kvctl.service (EnvironmentFile=/etc/kvctl/kvctl.env).
@@ -124,7 +125,8 @@ def render() -> str:
         out.append("")
         out += comment(field.description or "(no description)")
         if is_list(field.annotation):
-            out.append("# format: a JSON list in single quotes, e.g. " + LIST_EXAMPLE)
+            example = URL_LIST_EXAMPLE if path[-1] == "drain_peers" else LIST_EXAMPLE
+            out.append("# format: a JSON list in single quotes, e.g. " + example)
         out.append(f"# default: {'unset' if default is None else default}")
         out.append(f"#{env_name(path)}={'' if default is None else default}")
     return "\n".join(out) + "\n"
