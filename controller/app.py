@@ -448,8 +448,11 @@ class App:
                     await self.drain(None)
             if self.proxy is not None:
                 # readiness turns 503 and new requests get 503 at once; open ones get proxy.drain_s to finish
+                # (counted from a drain to peers, when one ran: it is the moved streams' time too)
                 t0 = time.monotonic()
-                ended = await self.proxy.drain()
+                began = self.proxy.drainer.started
+                budget = self.settings.proxy.drain_s - (t0 - began if began is not None else 0.0)
+                ended = await self.proxy.drain(max(0.0, budget))
                 log.info("proxy.drained", ended=ended, after_s=round(time.monotonic() - t0, 3))
             if self.supervisor is not None:
                 await self.supervisor.stop()  # the server last: the drain needed it

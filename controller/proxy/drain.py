@@ -63,6 +63,7 @@ class Drain:
         self._lock = asyncio.Lock()
         self._turn = 0
         self.done = False  # a drain has moved what it could: the server is stopped, or being stopped
+        self.started: float | None = None  # when the drain began (monotonic): the moved streams' proxy.drain_s
 
     def order(self) -> tuple[str, ...]:
         """The usable peers in the order one request tries them: round robin, so the moves spread."""
@@ -83,7 +84,7 @@ class Drain:
             return await self._run(urls, stop_server)
 
     async def _run(self, urls: Sequence[str], stop_server: Callable[[], Awaitable[None]] | None) -> DrainOutcome:
-        t0 = time.monotonic()
+        t0 = self.started = time.monotonic()
         checks = await asyncio.gather(*(self.peers.check(u) for u in urls))
         for url, why in zip(urls, checks, strict=True):
             if why is not None:

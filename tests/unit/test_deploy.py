@@ -506,11 +506,13 @@ def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPa
     # the ConfigMap's settings are real settings, and kvctl starts with them
     config = docs[("ConfigMap", "kvctl")]["data"]
     assert all(isinstance(v, str) for v in config.values())
-    env = {e["name"] for e in kvctl.get("env", [])}
-    assert env == {"KVCTL_ADMIN__TOKEN"}  # required off loopback, and a Secret, not a ConfigMap
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in kvctl.get("env", [])}
+    # required off loopback, and Secrets, not a ConfigMap
+    assert env == {"KVCTL_ADMIN__TOKEN": "kvctl-admin", "KVCTL_PROXY__PEER_API_KEY": "kvctl-peer"}
     for name, value in config.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("KVCTL_ADMIN__TOKEN", "test-token")
+    monkeypatch.setenv("KVCTL_PROXY__PEER_API_KEY", "test-peer-key")
     keys_file = Path(config["KVCTL_PROXY__API_KEYS_FILE"])
     (tmp_path / "keys").write_text("sk-test test\n")  # the Secret's file, here
     monkeypatch.setenv("KVCTL_PROXY__API_KEYS_FILE", str(tmp_path / "keys"))
@@ -529,6 +531,10 @@ def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPa
     drain, stop = settings.proxy.drain_s, settings.supervisor.stop_timeout_s
     assert pod["terminationGracePeriodSeconds"] >= drain + DRAIN_GRACE_S + stop
     assert server["lifecycle"]["preStop"]["sleep"]["seconds"] >= drain + DRAIN_GRACE_S
+    # before that, the requests move to the other replicas, found through the Service (ready pods only)
+    assert kvctl["lifecycle"]["preStop"]["exec"]["command"][:2] == ["kvctl", "drain"]
+    (peer,) = settings.proxy.drain_peers
+    assert (peer.host, peer.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
 
 
 def test_k8s_manifest_matches_the_kubernetes_schemas() -> None:
