@@ -216,6 +216,12 @@ class ProxySettings(_Group):
     403, and a replica without one takes no moved requests. A peer's request gets the priority the draining replica
     gave it."""
 
+    handover_dir: Path | None = None
+    """Replicas on one machine: the directory their servers write slot files to (each server's
+    `--slot-save-path`). Set, a drain hands a running or parked stream's KV cells to the peer through a file there,
+    so the peer evaluates only the tokens past them instead of the whole context again (docs/operations.md,
+    Draining a replica to its peers); unset, or where that fails, the peer evaluates them again."""
+
     tls_cert_file: Path | None = None
     """PEM certificate chain for TLS on the public listener; plain HTTP when unset."""
 

@@ -56,6 +56,7 @@ from controller.proxy.endpoint_metrics import EndpointMetrics
 from controller.proxy.forward import Upstream
 from controller.proxy.framing import Errors
 from controller.proxy.frontdoor import AskServer, Cors, FrontDoor
+from controller.proxy.handover import HANDOVER_HEADER, Handover
 from controller.proxy.inspection import BadRequest, GenerationBody, read_generation
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Ownership
@@ -130,8 +131,9 @@ class Proxy:
         )
         self.relay.models_cache = self.models_cache
         self.peers = Peers(config, self.upstream)
-        self.replay.peers = self.peers
-        self.drainer = Drain(config, self.tracker, self.peers, self.state, self.metrics)
+        self.handover = Handover(config, self.upstream)
+        self.replay.peers, self.replay.handover = self.peers, self.handover
+        self.drainer = Drain(config, self.tracker, self.peers, self.state, self.metrics, self.handover)
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._idle = asyncio.Event()
         self._idle.set()
@@ -437,6 +439,12 @@ class Proxy:
                 time.monotonic() - t_queue
             )
             entry.state = Phase.UPSTREAM
+            if ctx.ident is not None and ctx.ident.peer and HANDOVER_HEADER in ctx.request.headers:
+                claimed = await self.handover.restore(ctx)  # a moved stream's cells, read into a slot here
+                try:
+                    return await self.relay.forward(ctx)
+                finally:
+                    self.handover.release(claimed)
             return await self.relay.forward(ctx)
         finally:
             if ctx.transcript is not None:

@@ -51,6 +51,7 @@ class ProxyConfig:
     replay_memory_bytes: int = _default(ProxySettings, "replay_memory_mib") << 20
     drain_peers: tuple[str, ...] = ()  # other kvctl listeners a drain moves requests to
     peer_api_key: str | None = None  # X-Kvctl-Peer, sent to peers and checked on what they send
+    handover_dir: str | None = None  # the servers' shared --slot-save-path: a drain hands cells over there
     admin_port: int | None = None  # kvctl's admin API, named where a client asks the proxy for a controller route
 
     @classmethod
@@ -84,5 +85,6 @@ class ProxyConfig:
             replay_memory_bytes=p.replay_memory_mib << 20,
             drain_peers=tuple(str(u).rstrip("/") for u in p.drain_peers),
             peer_api_key=p.peer_api_key.get_secret_value() if p.peer_api_key else None,
+            handover_dir=str(p.handover_dir) if p.handover_dir else None,
             admin_port=split_host_port(settings.admin.listen)[1],
         )

@@ -111,6 +111,8 @@ class Inflight:
     """Set by a drain: go to a peer (a queued request whole, a stream continued from its ids)."""
     on_peer: str | None = None  # the peer that took it
     stays: bool = False  # a drain left it here: it cannot move, or no peer took it
+    handover: asyncio.Future[str | None] | None = None
+    """A drain's handover file of its cells (controller.proxy.handover), once saved; None: none was made."""
     errored: bool = False  # its client got an error (an error event, or an error answer kvctl wrote)
 
     def end(self, reason: Stop) -> None:

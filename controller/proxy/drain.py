@@ -28,6 +28,7 @@ import structlog
 from controller.errors import Code, KvctlError
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import Inflight, Phase, ServerState, Stop, Tracker
+from controller.proxy.handover import Handover
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.peers import Peers
 
@@ -53,11 +54,19 @@ class Drain:
     """One drain at a time; see the module docstring."""
 
     def __init__(
-        self, config: ProxyConfig, tracker: Tracker, peers: Peers, state: ServerState, metrics: ProxyMetrics
+        self,
+        config: ProxyConfig,
+        tracker: Tracker,
+        peers: Peers,
+        state: ServerState,
+        metrics: ProxyMetrics,
+        handover: Handover | None = None,
     ) -> None:
         self.config = config
         self.tracker = tracker
         self.peers = peers
+        self.handover = handover
+        self._saving: set[asyncio.Task[None]] = set()
         self.state = state
         self.metrics = metrics
         self._lock = asyncio.Lock()
@@ -142,5 +151,19 @@ class Drain:
             return
         entry.peers = self.order()
         entry.move.set()
-        if entry.state is Phase.STREAMING and entry.upstream is not None:
+        if entry.state is not Phase.STREAMING:
+            return
+        if self.handover is not None and self.handover.enabled:
+            # its cells go through a file: replay waits for it before it sends the continuation
+            entry.handover = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._hand_over(entry))
+            self._saving.add(task)
+            task.add_done_callback(self._saving.discard)
+            return
+        if entry.upstream is not None:
             entry.upstream.close()  # the relay sees the stream end, and replay continues it on a peer
+
+    async def _hand_over(self, entry: Inflight) -> None:
+        assert self.handover is not None
+        if not await self.handover.save(entry) and entry.upstream is not None:
+            entry.upstream.close()

@@ -98,7 +98,7 @@ class Upstream:
         drop = (
             HOP_BY_HOP
             | {"x-request-id", "x-park-lease", "content-length", PRIORITY_HEADER.lower(), OPT_OUT_HEADER.lower()}
-            | {"x-kvctl-peer"}
+            | {"x-kvctl-peer", "x-kvctl-handover"}
             | (set(CREDENTIALS) if own_keys or peer else set())
         )
         headers = {k: v for k, v in ctx.request.headers.items() if k.lower() not in drop}

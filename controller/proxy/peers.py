@@ -23,6 +23,7 @@ from yarl import URL
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import RequestContext
 from controller.proxy.forward import CREDENTIALS, Opened, Upstream, upstream_body
+from controller.proxy.handover import HANDOVER_HEADER
 
 __all__ = ["PEER_HEADER", "PeerRefused", "Peers", "model_list"]
 
@@ -51,7 +52,7 @@ class Peers:
         self.upstream = upstream  # its session, and this replica's server for the model list
 
     def _headers(self, base: dict[str, str]) -> dict[str, str]:
-        drop = {*CREDENTIALS, PEER_HEADER.lower()}
+        drop = {*CREDENTIALS, PEER_HEADER.lower(), HANDOVER_HEADER.lower()}
         headers = {k: v for k, v in base.items() if k.lower() not in drop}
         if self.config.peer_api_key:
             headers[PEER_HEADER] = self.config.peer_api_key
@@ -83,13 +84,17 @@ class Peers:
             return f"it serves another model: {[m for m, _ in theirs]} (here: {[m for m, _ in ours]})"
         return None
 
-    async def send(self, ctx: RequestContext, peer: str, body: bytes) -> Opened:
-        """Send the request to ``peer``; its started 200 response, or PeerRefused (closed here), or what the
-        connection raises. kvctl ending the request meanwhile withdraws it."""
+    async def send(self, ctx: RequestContext, peer: str, body: bytes, handover: str | None = None) -> Opened:
+        """Send the request to ``peer`` (with the name of a file of its cells: ``handover``); its started 200
+        response, or PeerRefused (closed here), or what the connection raises. kvctl ending the request meanwhile
+        withdraws it."""
         assert self.upstream.session is not None and ctx.entry is not None
         url = peer + ctx.request.raw_path
+        headers = self._headers(ctx.headers)
+        if handover is not None:
+            headers[HANDOVER_HEADER] = handover
         cm = self.upstream.session.request(
-            ctx.request.method, URL(url, encoded=True), data=upstream_body(body), headers=self._headers(ctx.headers)
+            ctx.request.method, URL(url, encoded=True), data=upstream_body(body), headers=headers
         )
         opening: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(cm.__aenter__())
         either: set[asyncio.Future[Any]] = {opening, ctx.entry.ended}

@@ -18,9 +18,10 @@ import aiohttp
 import structlog
 
 from controller.proxy.config import ProxyConfig
-from controller.proxy.context import End, Phase, RequestContext, ServerState, Silence
+from controller.proxy.context import End, Inflight, Phase, RequestContext, ServerState, Silence
 from controller.proxy.forward import Moving, Opened, Upstream, UpstreamEnded
 from controller.proxy.framing import error_from_body
+from controller.proxy.handover import Handover
 from controller.proxy.inspection import GenerationBody, one_completion
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Owners
@@ -54,6 +55,7 @@ class Replay:
         self.memory = memory
         self.completion_ids = completion_ids
         self.peers: Peers | None = None  # where a drain moves requests (controller.proxy.drain)
+        self.handover: Handover | None = None  # the files of moved cells (controller.proxy.handover)
 
     def begin(self, ctx: RequestContext, body: GenerationBody) -> None:
         """Whether the request may be sent again, and its transcript when its stream may be continued (a client
@@ -133,7 +135,7 @@ class Replay:
         if entry.move.is_set():
             # a drain cut the stream: continued on a peer, else here (the server here still runs)
             transcript.replays += 1
-            opened = await self.to_peer(ctx, transcript.continuation())
+            opened = await self.to_peer(ctx, transcript.continuation(), continued=True)
             if opened is not None:
                 return opened
             transcript.replays -= 1
@@ -163,14 +165,24 @@ class Replay:
         log.warning("replay.gave_up", request_id=transcript.request_id, attempts=transcript.replays)
         return None
 
-    async def to_peer(self, ctx: RequestContext, body: bytes) -> Opened | None:
-        """A drain moves the request: ``body`` (the request whole, or continued from its ids) to its peers in turn;
-        the first one's response, or None when none took it (the request then stays here, and is not moved again)."""
+    async def to_peer(self, ctx: RequestContext, body: bytes, continued: bool = False) -> Opened | None:
+        """A drain moves the request: ``body`` (the request whole, or ``continued`` from its ids, with the file of
+        its cells when the drain made one) to its peers in turn; the first one's response, or None when none took it
+        (the request then stays here, and is not moved again)."""
         entry = ctx.entry
         assert entry is not None and self.peers is not None
+        handover = await entry.handover if continued and entry.handover is not None else None
+        try:
+            return await self._to_peers(ctx, entry, body, handover)
+        finally:
+            if self.handover is not None:
+                self.handover.discard(handover)  # taken or not: the peer has read it by its answer
+
+    async def _to_peers(self, ctx: RequestContext, entry: Inflight, body: bytes, handover: str | None) -> Opened | None:
+        assert self.peers is not None
         for peer in entry.peers:
             try:
-                sending = self.peers.send(ctx, peer, body)
+                sending = self.peers.send(ctx, peer, body, handover)
                 # a client that has a response gets heartbeats while the peer has not started its own
                 opened = await (self._beating(ctx, sending) if ctx.response is not None else sending)
             except (PeerRefused, aiohttp.ClientError, OSError, TimeoutError) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,8 +28,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from testkit import realmodels
-from testkit.llama import StreamResult, free_port, server_argv, stream_completion
-from testkit.stack import stack_admin, start_stack
+from testkit.llama import StreamResult, free_port, parse_metrics, server_argv, stream_completion
+from testkit.stack import stack_admin, stack_pid, start_stack
 
 pytestmark = pytest.mark.server
 
@@ -62,13 +63,17 @@ class Replicas:
 
     def __init__(self, stack: ExitStack, binary: Path, tmp: Path) -> None:
         self.stack, self.binary, self.tmp = stack, binary, tmp
+        self.server: dict[str, str] = {}  # a replica's server, by its proxy's URL
 
-    def start(self, name: str, model: Path, env: dict[str, str] | None = None) -> str:
+    def start(
+        self, name: str, model: Path, env: dict[str, str] | None = None, *extra: str, server: tuple[str, ...] = ()
+    ) -> str:
         sport = free_port()
-        argv = server_argv(self.binary, model, sport, *POOL)
-        return self.stack.enter_context(
+        argv = server_argv(self.binary, model, sport, *POOL, *server)
+        url = self.stack.enter_context(
             start_stack(
                 f"http://127.0.0.1:{sport}",
+                *extra,
                 "--spawn",
                 "--",
                 *argv,
@@ -76,6 +81,8 @@ class Replicas:
                 log_path=self.tmp / f"{name}.log",
             )
         )
+        self.server[url] = f"http://127.0.0.1:{sport}"
+        return url
 
 
 @pytest.fixture
@@ -248,3 +255,50 @@ async def test_with_no_peer_able_to_take_them_the_requests_finish_here(
         assert (await resp.json())["supervisor"]["state"] == "stopped"
     async with http.post(a + "/completion", json={"prompt": "a", "n_predict": 4}) as r:
         assert r.status == 503 and r.headers["X-Kvctl-Error"] == "shutting_down", await r.text()
+
+
+async def test_sigterm_with_peers_configured_moves_the_streams_before_kvctl_stops(
+    smollm2: Path, replicas: Replicas, http: aiohttp.ClientSession
+) -> None:
+    b = replicas.start("b", smollm2)
+    a = replicas.start("a", smollm2, None, "--drain-peer", b)
+    native = {"prompt": "Once upon a time", "n_predict": N, "ignore_eos": True, "return_tokens": True}
+    running = asyncio.ensure_future(stream_completion(http, a, native))
+    await busy(http, a, 1)
+    os.kill(stack_pid(a), signal.SIGTERM)  # kvctl only: its server stays until the drain stops it
+    await whole(http, b, await asyncio.wait_for(running, 120))
+    async with asyncio.timeout(30):
+        while True:  # kvctl stops once the moved stream has ended: its admin listener closes
+            try:
+                async with http.get(stack_admin(a) + "/healthz"):
+                    pass
+            except aiohttp.ClientConnectionError:
+                break
+            await asyncio.sleep(0.2)
+
+
+async def test_on_one_machine_the_cells_go_over_in_a_file_and_the_peer_evaluates_no_context_again(
+    smollm2: Path, replicas: Replicas, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    shared = tmp_path / "handover"
+    shared.mkdir()
+    env = {"KVCTL_PROXY__HANDOVER_DIR": str(shared)}
+    save = ("--slot-save-path", str(shared) + os.sep)
+    a = replicas.start("a", smollm2, env, server=save)
+    b = replicas.start("b", smollm2, env, server=save)
+    native = {"prompt": "Once upon a time", "n_predict": N, "ignore_eos": True, "return_tokens": True}
+    tasks = [
+        asyncio.ensure_future(stream_completion(http, a, native)),
+        asyncio.ensure_future(stream_completion(http, a, {**native, "prompt": "In a quiet harbour"})),
+    ]
+    running = await busy(http, a, 2)
+    async with http.post(stack_admin(a) + f"/slots/{running[0]['id']}/park?mode=swap") as resp:
+        assert resp.status == 200, await resp.text()  # one parked: its file is written from its snapshot
+    code, answer = await asyncio.to_thread(drain, a, b)
+    assert code == 0 and answer["moved"] == 2, answer
+    for res in await asyncio.wait_for(asyncio.gather(*tasks), 120):
+        await whole(http, b, res)
+    async with http.get(replicas.server[b] + "/metrics") as resp:
+        evaluated = parse_metrics(await resp.text())["llamacpp:prompt_tokens_total"]
+    assert evaluated <= 2 * 4, f"B evaluated {evaluated} prompt tokens: the contexts were evaluated again"
+    assert not list(shared.iterdir()), "a handover file was left behind"
