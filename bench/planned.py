@@ -7,6 +7,8 @@ On the real model (SmolLM2-135M-Instruct), each kvctl spawning its server (`-t 1
 - **restart**: `kvctl restart-server` (the same command line: an upgrade in place) while the streams run on one
   replica;
 - **drain**: `kvctl drain` from replica A to replica B while the streams run on A;
+- **drain, handover**: the same with the KV cells handed over in files (`proxy.handover_dir`, the servers'
+  `--slot-save-path`): B evaluates no context again;
 - **rolling**: a two-replica rolling restart under load: the streams spread over A and B; A is drained to B and a
   new A' started (its server and model loaded), then B is drained to A' while the moved streams still run.
 
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -62,14 +66,19 @@ def admin(url: str, *args: str) -> tuple[float, str]:
 
 
 class Replicas:
-    def __init__(self, stack: ExitStack, binary: Path, gguf: Path, streams: int) -> None:
-        self.stack, self.binary, self.gguf = stack, binary, gguf
-        self.pool = ("-c", str(max(4096, 512 * streams)), "-np", str(streams), "-kvu", "--slots", "--metrics")
+    def __init__(self, stack: ExitStack, binary: Path, gguf: Path, streams: int, handover: Path | None) -> None:
+        self.stack, self.binary, self.gguf, self.handover = stack, binary, gguf, handover
+        self.pool: tuple[str, ...] = ("-c", str(max(4096, 512 * streams)), "-np", str(streams), "-kvu", "--slots")
+        self.pool += ("--metrics",)
+        if handover is not None:
+            self.pool += ("--slot-save-path", str(handover) + os.sep)
 
     def start(self) -> str:
         sport = free_port()
         argv = server_argv(self.binary, self.gguf, sport, *self.pool)
         env = {"KVCTL_PROXY__PEER_API_KEY": PEER_KEY, "KVCTL_PROXY__DRAIN_S": "600"}
+        if self.handover is not None:
+            env["KVCTL_PROXY__HANDOVER_DIR"] = str(self.handover)
         return self.stack.enter_context(start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, env=env))
 
 
@@ -88,7 +97,8 @@ async def running(http: aiohttp.ClientSession, urls: list[str], n: int) -> None:
 
 async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict: int) -> list[Any]:
     with ExitStack() as stack:
-        reps = Replicas(stack, binary, gguf, streams)
+        handover = Path(stack.enter_context(tempfile.TemporaryDirectory())) if kind == "drain, handover" else None
+        reps = Replicas(stack, binary, gguf, streams, handover)
         a = reps.start()
         b = reps.start() if kind != "restart" else None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as http:
@@ -133,7 +143,7 @@ async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict:
 
 def scenarios(counts: list[int]) -> Iterator[tuple[str, int]]:
     for streams in counts:
-        for kind in ("restart", "drain", "rolling"):
+        for kind in ("restart", "drain", "drain, handover", "rolling"):
             yield kind, streams
 
 

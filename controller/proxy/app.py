@@ -444,7 +444,7 @@ class Proxy:
                 try:
                     return await self.relay.forward(ctx)
                 finally:
-                    self.handover.release(claimed)
+                    self.handover.release(claimed, ctx.request_id)
             return await self.relay.forward(ctx)
         finally:
             if ctx.transcript is not None:

@@ -183,6 +183,7 @@ class RequestContext:
     entry: Inflight | None = None  # what kvctl can end from outside
     response: web.StreamResponse | None = None  # the client's, once prepared (early: by admission's heartbeats)
     transcript: Transcript | None = None  # what a replay continues from
+    on_response: Callable[[], None] | None = None  # called once the server's response has started
 
     @property
     def label(self) -> str:

@@ -43,6 +43,7 @@ log = structlog.get_logger("kvctl.drain")
 HANDOVER_HEADER = "X-Kvctl-Handover"
 _NAME = re.compile(r"^kvctl-[0-9a-f]{32}\.bin$")
 _TIMEOUT_S = 60.0  # a save or restore of a large context moves GiB through the page cache
+_TURN_S = 10.0  # the longest a restore waits for the one before it to be placed: past it, the peer prefills
 
 
 class Handover:
@@ -51,6 +52,11 @@ class Handover:
         self.upstream = upstream
         self.dir = Path(config.handover_dir) if config.handover_dir else None
         self._claimed: set[int] = set()  # slots a restore here has filled for a request still running
+        # one restore at a time, until its request is placed: a request the server places itself may take the
+        # idle slot another restore chose, and a restore into a busy slot waits until that request ends
+        self._turn = asyncio.Lock()
+        self._holder: str | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def enabled(self) -> bool:
@@ -72,11 +78,13 @@ class Handover:
             data = await r.json(content_type=None) if r.status == 200 else []
         return data if isinstance(data, list) else []
 
-    async def _action(self, slot: int, action: str, filename: str) -> dict[str, Any] | None:
+    async def _action(
+        self, slot: int, action: str, filename: str, timeout_s: float = _TIMEOUT_S
+    ) -> dict[str, Any] | None:
         assert self.upstream.session is not None
         url = self._url(f"/slots/{slot}?action={action}")
         async with (
-            asyncio.timeout(_TIMEOUT_S),
+            asyncio.timeout(timeout_s),
             self.upstream.session.post(url, json={"filename": filename}, headers=self._headers()) as r,
         ):
             body = await r.read()
@@ -139,6 +147,13 @@ class Handover:
         name = ctx.request.headers.get(HANDOVER_HEADER, "")
         if not (self.dir is not None and _NAME.match(name) and (self.dir / name).is_file()):
             return None
+        try:
+            await asyncio.wait_for(self._turn.acquire(), _TURN_S)
+        except TimeoutError:
+            log.warning("handover.busy", request_id=ctx.request_id)
+            return None
+        self._holder = ctx.request_id
+        ctx.on_response = lambda: self._placing(ctx.request_id)
         slot: int | None = None
         try:
             body = json.loads(ctx.body)
@@ -151,12 +166,13 @@ class Handover:
                 return None
             slot = idle[0]
             self._claimed.add(slot)
-            restored = await self._action(slot, "restore", name)
+            # a few seconds: a restore the server defers (the slot was taken meanwhile) is of no use
+            restored = await self._action(slot, "restore", name, timeout_s=max(5.0, self.config.connect_timeout_s))
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as e:
             log.warning("handover.restore_failed", request_id=ctx.request_id, error=str(e) or repr(e))
             restored = None
         if restored is None or slot is None:
-            self.release(slot)
+            self.release(slot, ctx.request_id)
             return None
         # no id_slot: with a unified pool the server gives an idle slot's cells to its prompt cache (--cache-ram)
         # when another request starts, and only a request it places itself looks for them there
@@ -164,6 +180,30 @@ class Handover:
         log.info("handover.restored", request_id=ctx.request_id, slot=slot, tokens=restored.get("n_restored"))
         return slot
 
-    def release(self, slot: int | None) -> None:
+    def _placing(self, request_id: str | None) -> None:
+        """The request a restore was for is sent (its response started, which the server answers before it places
+        the request): the next restore goes once a slot shows it, or after a few seconds."""
+        task = asyncio.ensure_future(self._placed(request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _placed(self, request_id: str | None) -> None:
+        deadline = asyncio.get_running_loop().time() + 5.0
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            while self._holder == request_id and asyncio.get_running_loop().time() < deadline:
+                if any(s.get("request_id") == request_id for s in await self._slots()):
+                    break
+                await asyncio.sleep(0.02)
+        self._done(request_id)
+
+    def _done(self, request_id: str | None) -> None:
+        """The request a restore was for is placed, or over: the next restore may go."""
+        if self._holder == request_id and self._turn.locked():
+            self._holder = None
+            self._turn.release()
+
+    def release(self, slot: int | None, request_id: str | None) -> None:
+        """The request is over: its slot is no longer claimed, and its turn ends if it had not."""
         if slot is not None:
             self._claimed.discard(slot)
+        self._done(request_id)

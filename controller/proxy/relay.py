@@ -99,6 +99,8 @@ class Relay:
             return await self.errors.unavailable(ctx, *self.errors.unreachable(e, ctx.waited))
         entry.upstream = upstream
         entry.state = Phase.STREAMING  # the response has started: from here the read timeout applies
+        if ctx.on_response is not None:
+            ctx.on_response()
         try:
             return await self._respond(ctx, upstream)
         except asyncio.CancelledError:
