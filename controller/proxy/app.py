@@ -134,10 +134,12 @@ class Proxy:
         self.handover = Handover(config, self.upstream)
         self.replay.peers, self.replay.handover = self.peers, self.handover
         self.drainer = Drain(config, self.tracker, self.peers, self.state, self.metrics, self.handover)
+        self.drainer.others = lambda: self.passing
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._idle = asyncio.Event()
         self._idle.set()
         self._held = 0  # requests other than generations waiting in hold() for the server
+        self.passing = 0  # requests other than generations relayed now
 
     # what the App and the tests read and set
     @property
@@ -179,6 +181,7 @@ class Proxy:
         """Refuse new requests (503), give the open ones ``timeout_s`` (proxy.drain_s) to finish, then end the rest
         with their protocol's error; returns how many were ended."""
         self.state.draining = True
+        self.state.drain_peers = ()  # shutting down: new requests get 503, not a peer's relay cut at the deadline
         timeout = self.config.drain_s if timeout_s is None else timeout_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -332,6 +335,13 @@ class Proxy:
 
     async def passthrough(self, ctx: RequestContext, body: bytes | None = None) -> web.StreamResponse:
         """Anything that is not a generation: relayed as it is, streamed, with its encodings untouched."""
+        self.passing += 1  # a drain stops the server only once these are answered too
+        try:
+            return await self._passthrough(ctx, body)
+        finally:
+            self.passing -= 1
+
+    async def _passthrough(self, ctx: RequestContext, body: bytes | None) -> web.StreamResponse:
         request, route = ctx.request, ctx.route
         ctx.body = await request.read() if body is None else body
         # an asset probe (kvctl's keys, none given) carries no credential: the headers drop kvctl's keys
@@ -440,8 +450,9 @@ class Proxy:
             )
             entry.state = Phase.UPSTREAM
             if ctx.ident is not None and ctx.ident.peer and HANDOVER_HEADER in ctx.request.headers:
-                claimed = await self.handover.restore(ctx)  # a moved stream's cells, read into a slot here
+                claimed: int | None = None
                 try:
+                    claimed = await self.handover.restore(ctx)  # a moved stream's cells, read into a slot here
                     return await self.relay.forward(ctx)
                 finally:
                     self.handover.release(claimed, ctx.request_id)
@@ -449,6 +460,8 @@ class Proxy:
         finally:
             if ctx.transcript is not None:
                 ctx.transcript.release()
+            if entry.handover is not None and entry.handover.done():
+                self.handover.discard(entry.handover.result())  # a file no move used (the stream ended first)
             self.inflight.pop(ctx.request_id, None)
             self.metrics.inflight.dec()
 

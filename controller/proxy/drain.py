@@ -67,6 +67,7 @@ class Drain:
         self.peers = peers
         self.handover = handover
         self._saving: set[asyncio.Task[None]] = set()
+        self.others: Callable[[], int] = lambda: 0  # requests other than generations on the server now
         self.state = state
         self.metrics = metrics
         self._lock = asyncio.Lock()
@@ -85,6 +86,8 @@ class Drain:
     async def run(self, urls: Sequence[str], stop_server: Callable[[], Awaitable[None]] | None) -> DrainOutcome:
         if self._lock.locked():
             raise KvctlError(409, Code.DRAIN_IN_PROGRESS, "a drain is already under way")
+        if self.done:
+            raise KvctlError(409, Code.DRAIN_IN_PROGRESS, "this replica is drained: restart kvctl to serve again")
         if not urls:
             raise KvctlError(
                 400, Code.INVALID_PEERS, "no peer to drain to: give some, or set proxy.drain_peers (--drain-peer)"
@@ -109,8 +112,8 @@ class Drain:
                 seen.setdefault(entry.request_id, entry)
                 self._move(entry)
             here = [e for e in live if e.on_peer is None]
-            if not here:
-                break
+            if not here and not self.others():
+                break  # nothing left on the server (an embedding or a tokenize being answered counts too)
             if time.monotonic() >= deadline:
                 for entry in here:
                     entry.errored = True
@@ -140,11 +143,14 @@ class Drain:
         ctx = entry.context
         movable = False
         if ctx is not None and self.state.drain_peers:
+            t = ctx.transcript
+            continued = t is not None and t.replayable and not t.done
             if entry.state in (Phase.QUEUED, Phase.UPSTREAM):
                 movable = ctx.resend and not ctx.raw  # nothing answered yet: sent whole (not a conversation)
             elif entry.state is Phase.STREAMING:
-                t = ctx.transcript
-                movable = t is not None and t.replayable and not t.done
+                movable = continued
+            elif entry.state is Phase.REPLAYING:  # waiting for this server to come back: a peer instead
+                movable = continued if ctx.response is not None else ctx.resend and not ctx.raw
         if not movable:
             entry.stays = True
             self.metrics.moves.labels(outcome="stayed").inc()

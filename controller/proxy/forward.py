@@ -26,7 +26,16 @@ from controller.proxy.context import RequestContext, Stop
 from controller.proxy.priority import PRIORITY_HEADER
 from controller.proxy.transcript import OPT_OUT_HEADER
 
-__all__ = ["CREDENTIALS", "HOP_BY_HOP", "Moving", "Opened", "Upstream", "UpstreamEnded", "upstream_body"]
+__all__ = [
+    "CREDENTIALS",
+    "HOP_BY_HOP",
+    "Moving",
+    "Opened",
+    "Upstream",
+    "UpstreamEnded",
+    "close_response",
+    "upstream_body",
+]
 
 log = structlog.get_logger("kvctl.proxy")
 
@@ -143,14 +152,15 @@ class Upstream:
         except asyncio.CancelledError:
             # the client left: the request is withdrawn, and a response that started meanwhile is closed
             opening.cancel()
-            opening.add_done_callback(_close_response)
+            opening.add_done_callback(close_response)
             raise
         finally:
             moving.cancel()
-        if opening.done() and not entry.ended.done():
+        if opening.done() and not entry.ended.done() and not entry.move.is_set():
             return cm, opening.result()
+        # kvctl ended it, or a drain moves it: nothing of this response reached the client
         opening.cancel()
-        opening.add_done_callback(_close_response)
+        opening.add_done_callback(close_response)
         with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
             await opening
         if not entry.ended.done():
@@ -227,6 +237,6 @@ def upstream_body(body: bytes) -> bytes | io.BytesIO | None:
     return io.BytesIO(body) if len(body) > _LARGE_BODY else body
 
 
-def _close_response(fut: asyncio.Future[aiohttp.ClientResponse]) -> None:
+def close_response(fut: asyncio.Future[aiohttp.ClientResponse]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         fut.result().close()

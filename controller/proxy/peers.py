@@ -22,7 +22,7 @@ from yarl import URL
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import RequestContext
-from controller.proxy.forward import CREDENTIALS, Opened, Upstream, upstream_body
+from controller.proxy.forward import CREDENTIALS, Opened, Upstream, close_response, upstream_body
 from controller.proxy.handover import HANDOVER_HEADER
 
 __all__ = ["PEER_HEADER", "PeerRefused", "Peers", "model_list"]
@@ -100,14 +100,15 @@ class Peers:
         either: set[asyncio.Future[Any]] = {opening, ctx.entry.ended}
         try:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not opening.done():
-                opening.cancel()
-                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
-                    await opening
+        except asyncio.CancelledError:
+            opening.cancel()  # the client left: withdrawn, and a response that started meanwhile is closed
+            opening.add_done_callback(close_response)
+            raise
         if ctx.entry.ended.done():
-            if not opening.cancelled() and opening.exception() is None:
-                await cm.__aexit__(None, None, None)
+            opening.cancel()
+            opening.add_done_callback(close_response)
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
+                await opening
             raise PeerRefused("kvctl ended the request")
         response = opening.result()
         if response.status == 200:

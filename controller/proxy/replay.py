@@ -151,12 +151,19 @@ class Replay:
             )
             if not await self.wait_ready(ctx, deadline, after_restart):
                 break
+            if entry.move.is_set():  # a drain began while it waited for this server: a peer continues it
+                opened = await self.to_peer(ctx, transcript.continuation(), continued=True)
+                if opened is not None:
+                    return opened
             after_restart = None  # restarted once: a later death is an ordinary one
             entry.sent_epoch = self.epoch()
             try:
                 cm, upstream = await self._beating(ctx, self.upstream.send(ctx, transcript.continuation()))
             except UpstreamEnded:
                 return None
+            except Moving:
+                transcript.replays -= 1  # not sent: the next pass moves it
+                continue
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 why = str(e)
                 continue
@@ -171,7 +178,16 @@ class Replay:
         (the request then stays here, and is not moved again)."""
         entry = ctx.entry
         assert entry is not None and self.peers is not None
-        handover = await entry.handover if continued and entry.handover is not None else None
+        handover: str | None = None
+        if continued and entry.handover is not None:
+            either: set[asyncio.Future[Any]] = {entry.handover, entry.ended}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if entry.handover.done() and not entry.handover.cancelled():
+                handover = entry.handover.result()
+            if entry.ended.done():
+                if self.handover is not None:
+                    self.handover.discard(handover)
+                return None
         try:
             return await self._to_peers(ctx, entry, body, handover)
         finally:
@@ -252,6 +268,8 @@ class Replay:
             return False
         next_beat = time.monotonic() + self.config.heartbeat_s
         while time.monotonic() < deadline and not entry.ended.done():
+            if entry.move.is_set():
+                return True  # a drain moves it to a peer: no need to wait for this server
             restarts = self.state.restarts
             restarted = after_restart is None or restarts is None or restarts() > after_restart
             # a hung server still answers /health from its HTTP thread: wait for the new one
