@@ -124,8 +124,9 @@ async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict:
             results = await asyncio.gather(*(c.task for c in clients))
             complete = 0
             for res in results:
-                ok = res.error is None and len(res.tokens) == n_predict
-                async with http.post(check + "/detokenize", json={"tokens": res.tokens}) as resp:
+                ids = res.announced_ids  # every id (a chunk's `tokens` leave out held-back UTF-8)
+                ok = res.error is None and len(ids) == n_predict
+                async with http.post(check + "/detokenize", json={"tokens": ids}) as resp:
                     ok = ok and (await resp.json())["content"] == res.content
                 complete += ok
         gaps = [g for c in clients for g in c.gaps()]

@@ -151,16 +151,25 @@ def _manual_line(r: ManualResult) -> str:
     return f"slot {r.slot}: {r.detail} (task {r.id_task}, {size})"
 
 
-async def manual(admin: Admin, action: str, slot: int, as_json: bool, mode: str | None = None) -> int:
-    path = f"/slots/{slot}/{action}" + (f"?mode={mode}" if mode is not None else "")
-    async with _session(MANUAL_TIMEOUT_S) as session:
+async def _post(admin: Admin, path: str, body: Any, timeout_s: float) -> tuple[int, str] | int:
+    """POST to the admin API: (status, body), or the exit code of a failure it has printed."""
+    async with _session(timeout_s) as session:
         try:
-            code, body = await admin.request(session, "POST", path)
+            code, text = await admin.request(session, "POST", path, body)
             if (failure := admin.refused_token(code)) is not None:
                 raise failure
         except _Failure as e:
             print(f"kvctl: {e}", file=sys.stderr)
             return e.code
+    return code, text
+
+
+async def manual(admin: Admin, action: str, slot: int, as_json: bool, mode: str | None = None) -> int:
+    path = f"/slots/{slot}/{action}" + (f"?mode={mode}" if mode is not None else "")
+    got = await _post(admin, path, None, MANUAL_TIMEOUT_S)
+    if isinstance(got, int):
+        return got
+    code, body = got
     if code == 200:
         try:
             result = _MANUAL_ANSWER.validate_json(body)
@@ -172,6 +181,27 @@ async def manual(admin: Admin, action: str, slot: int, as_json: bool, mode: str 
     return _refused(admin, code, body, f"kvctl {action} {slot}")
 
 
+async def _counted(
+    admin: Admin, path: str, body: dict[str, Any], timeout_s: float, what: str, line: str, as_json: bool
+) -> int:
+    """A restart or a drain: its answer's counts as ``line`` says them (or the JSON); 1 when some ``failed``."""
+    got = await _post(admin, path, body, timeout_s)
+    if isinstance(got, int):
+        return got
+    code, text = got
+    if code != 200:
+        return _refused(admin, code, text, what)
+    try:
+        answer = json.loads(text)
+        shown = line.format(**answer)
+        failed = answer["failed"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    print(text.rstrip("\n") if as_json else shown)
+    return EXIT_OK if not failed else EXIT_DEGRADED
+
+
 RESTART_TIMEOUT_S = 900.0
 """A planned restart waits for the new server to load (supervisor.ready_timeout_s) and for every request to move."""
 
@@ -181,24 +211,8 @@ async def restart_server(admin: Admin, argv: list[str] | None, force: bool, as_j
     body: dict[str, Any] = {"force": force}
     if argv:
         body["argv"] = argv
-    async with _session(RESTART_TIMEOUT_S) as session:
-        try:
-            code, text = await admin.request(session, "POST", "/server/restart", body)
-            if (failure := admin.refused_token(code)) is not None:
-                raise failure
-        except _Failure as e:
-            print(f"kvctl: {e}", file=sys.stderr)
-            return e.code
-    if code != 200:
-        return _refused(admin, code, text, "kvctl restart-server")
-    try:
-        answer = json.loads(text)
-        moved, failed, seconds = answer["moved"], answer["failed"], answer["seconds"]
-    except (ValueError, KeyError, TypeError):
-        print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
-        return EXIT_UNKNOWN
-    print(text.rstrip("\n") if as_json else f"restarted in {seconds} s: {moved} requests moved, {failed} not")
-    return EXIT_OK if not failed else EXIT_DEGRADED
+    line = "restarted in {seconds} s: {moved} requests moved, {failed} not"
+    return await _counted(admin, "/server/restart", body, RESTART_TIMEOUT_S, "kvctl restart-server", line, as_json)
 
 
 DRAIN_TIMEOUT_S = 900.0
@@ -208,25 +222,8 @@ DRAIN_TIMEOUT_S = 900.0
 async def drain(admin: Admin, peers: list[str] | None, as_json: bool) -> int:
     """``kvctl drain [--to URL ...]``: POST /drain."""
     body: dict[str, Any] = {"peers": peers} if peers else {}
-    async with _session(DRAIN_TIMEOUT_S) as session:
-        try:
-            code, text = await admin.request(session, "POST", "/drain", body)
-            if (failure := admin.refused_token(code)) is not None:
-                raise failure
-        except _Failure as e:
-            print(f"kvctl: {e}", file=sys.stderr)
-            return e.code
-    if code != 200:
-        return _refused(admin, code, text, "kvctl drain")
-    try:
-        answer = json.loads(text)
-        moved, here, failed, seconds = answer["moved"], answer["finished_here"], answer["failed"], answer["seconds"]
-    except (ValueError, KeyError, TypeError):
-        print(f"kvctl: unreadable answer from {admin.base} ({code}): {text[:200]}", file=sys.stderr)
-        return EXIT_UNKNOWN
-    line = f"drained in {seconds} s: {moved} moved, {here} finished here, {failed} failed"
-    print(text.rstrip("\n") if as_json else line)
-    return EXIT_OK if not failed else EXIT_DEGRADED
+    line = "drained in {seconds} s: {moved} moved, {finished_here} finished here, {failed} failed"
+    return await _counted(admin, "/drain", body, DRAIN_TIMEOUT_S, "kvctl drain", line, as_json)
 
 
 def _refused(admin: Admin, code: int, text: str, what: str) -> int:

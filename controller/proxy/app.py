@@ -9,7 +9,7 @@ request's :class:`~controller.proxy.context.RequestContext`:
 - ``owners``: with several keys, conversations and completions act only for the key that started them;
 - ``waiting``: admission in priority order, heartbeats while queued (``admission``: the gate and the queue);
 - ``forward``: the headers, the send, the response headers; ``replay``: sending again, continuing a stream;
-- ``drain`` and ``peers``: a replica's requests moved to other kvctl replicas before its server stops;
+- ``drain``, ``peers`` and ``handover``: a replica's requests moved to other kvctl replicas before its server stops;
 - ``relay``: the response as it arrives, bytes or events; ``framing``: every error kvctl writes itself.
 
 Generation routes get their effective priority, pass admission, get their own X-Request-Id (so the controller

@@ -32,7 +32,7 @@ from controller.settings import Settings  # noqa: E402
 OUT = Path(__file__).with_name("kvctl.env")
 WIDTH = 100
 LIST_EXAMPLE = "'" + json.dumps(["/usr/local/bin/llama-server", "-m", "m.gguf"]) + "'"
-URL_LIST_EXAMPLE = "'[\"http://10.0.0.7:8080\", \"http://10.0.0.8:8080\"]'"
+URL_LIST_EXAMPLE = "'" + json.dumps(["http://10.0.0.7:8080", "http://10.0.0.8:8080"]) + "'"
 
 HEADER = """\
 # kvctl settings for kvctl.service (EnvironmentFile=/etc/kvctl/kvctl.env).
