@@ -167,6 +167,15 @@ class Upstream:
             raise Moving()  # withdrawn here (the server drops a request whose connection closed)
         raise UpstreamEnded(entry.ended.result())
 
+    def own_url(self, path: str) -> str:
+        """The server's URL for a call kvctl makes of its own (a model list, a slot action)."""
+        return self.origin + self.api_prefix + path
+
+    def own_headers(self) -> dict[str, str]:
+        """The server's own key on a call kvctl makes of its own, where the server has one."""
+        key = self.config.upstream_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     async def send_detached(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> None:
         """Send a conversation request whose client has left: the response starting means the server took it; its
         stream buffer has the rest."""
@@ -219,7 +228,7 @@ class Upstream:
     async def probe_credentials(self, creds: dict[str, str]) -> Answer:
         """The server's answer to GET /v1/models with the client's own credentials."""
         assert self.session is not None
-        url = self.origin + self.api_prefix + "/v1/models"
+        url = self.own_url("/v1/models")
         async with asyncio.timeout(self.config.connect_timeout_s + self.config.upstream_read_timeout_s):
             async with self.session.get(url, headers=creds) as r:
                 if r.status == 200:

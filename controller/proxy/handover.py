@@ -63,18 +63,11 @@ class Handover:
     def enabled(self) -> bool:
         return self.dir is not None
 
-    def _headers(self) -> dict[str, str]:
-        key = self.config.upstream_api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    def _url(self, path: str) -> str:
-        return self.upstream.origin + self.upstream.api_prefix + path
-
     async def _slots(self) -> list[dict[str, Any]]:
         assert self.upstream.session is not None
         async with (
             asyncio.timeout(self.config.connect_timeout_s + 5),
-            self.upstream.session.get(self._url("/slots"), headers=self._headers()) as r,
+            self.upstream.session.get(self.upstream.own_url("/slots"), headers=self.upstream.own_headers()) as r,
         ):
             data = await r.json(content_type=None) if r.status == 200 else []
         return data if isinstance(data, list) else []
@@ -83,10 +76,10 @@ class Handover:
         self, slot: int, action: str, filename: str, timeout_s: float = _TIMEOUT_S
     ) -> dict[str, Any] | None:
         assert self.upstream.session is not None
-        url = self._url(f"/slots/{slot}?action={action}")
+        url = self.upstream.own_url(f"/slots/{slot}?action={action}")
         async with (
             asyncio.timeout(timeout_s),
-            self.upstream.session.post(url, json={"filename": filename}, headers=self._headers()) as r,
+            self.upstream.session.post(url, json={"filename": filename}, headers=self.upstream.own_headers()) as r,
         ):
             body = await r.read()
             if r.status != 200:

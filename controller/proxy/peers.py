@@ -70,9 +70,7 @@ class Peers:
             async with asyncio.timeout(_CHECK_TIMEOUT_S), self.upstream.session.get(peer + "/health") as r:
                 if r.status != 200:
                     return f"/health answered {r.status}"
-            key = self.config.upstream_api_key
-            own_headers = {"Authorization": f"Bearer {key}"} if key else {}
-            ours = await self._models(self.upstream.origin + self.upstream.api_prefix + "/v1/models", own_headers)
+            ours = await self._models(self.upstream.own_url("/v1/models"), self.upstream.own_headers())
             theirs = await self._models(peer + "/v1/models", self._headers({}))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             return f"unreachable: {e or type(e).__name__}"
