@@ -259,6 +259,23 @@ SECTIONS = [
         "`auth_cache_s` (5 s), so its cost is the relay's, not a round trip per request.",
     ),
     (
+        "overload.md",
+        "Side by side under overload, measured by aiperf",
+        "python -m bench.overload",
+        "aiperf 0.13.0 sends the same streamed chats (log-normal prompt and answer lengths, answers forced to their "
+        "length) to four systems on one pool: upstream llama-server, upstream behind LiteLLM with 3 retries, kvctl, "
+        "LiteLLM in front of kvctl. 1x is the most chats at once the pool holds whole; the rate rows are Poisson "
+        "arrivals. A request completed when its stream ended with the server's usage; `stream_cut` is a stream "
+        "that ended with the server's SSE error event instead (aiperf counts it a success). How each figure is "
+        "computed: docs/benchmarks.md.",
+    ),
+    (
+        "overload-quick.md",
+        "Side by side under overload, quick",
+        "python -m bench.overload --quick",
+        "The same at 1x and 2x with 8 and 16 chats: the five-minute version.",
+    ),
+    (
         "soak.md",
         "Soak",
         "python -m bench.soak --minutes 10 --streams 16 --via-proxy",
