@@ -82,6 +82,8 @@ def test_retries_saved_counts_failed_attempts_that_did_not_reach_a_client() -> N
     assert run.retries_saved == 2
     # a failure mid-stream cannot be retried: attempts == requests, nothing saved
     assert analyse(records, "litellm", "2x", wasted=0, counts=(10, 1, 1)).retries_saved == 0
+    # retries that all failed again save nothing, however many there were
+    assert analyse([record(None)] * 4, "litellm", "4x", wasted=0, counts=(7, 7, 7)).retries_saved == 0
 
 
 def test_errors_are_classified_by_kind() -> None:
