@@ -351,6 +351,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", help="results' name in bench/results/ (default overload, or overload-quick)")
     ap.add_argument("--keep", action="store_true", help="keep aiperf's artifacts (printed) instead of removing them")
+    ap.add_argument(
+        "--kvctl-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for kvctl's runs, as its environment variable (KVCTL_PROXY__ADMISSION_RESERVE_CELLS=0)",
+    )
     ap.add_argument("--replot", action="store_true", help="only redo the table and plots from the results' JSON")
     args = ap.parse_args()
     if args.replot:
@@ -367,12 +374,17 @@ def main() -> None:
         for p in plots(runs, stem):
             print(f"overload: wrote {p}")
         return
+    kvctl_env = dict(kv.split("=", 1) for kv in args.kvctl_env)
+    if any(not k.startswith("KVCTL_") for k in kvctl_env):
+        ap.error("--kvctl-env takes KVCTL_...=VALUE")
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s!r}: one of {', '.join(SYSTEMS)}")
-    factors = [int(x) for x in (args.loads or ("1,2" if args.quick else "1,2,4")).split(",")]
-    rates = [float(x) for x in (args.rates or ("" if args.quick else "0.5,1,2")).split(",") if x]
+    loads_arg = args.loads if args.loads is not None else "1,2" if args.quick else "1,2,4"
+    rates_arg = args.rates if args.rates is not None else "" if args.quick else "0.5,1,2"
+    factors = [int(x) for x in loads_arg.split(",") if x]
+    rates = [float(x) for x in rates_arg.split(",") if x]  # --rates '': none
     per_load = 8 if args.quick else 24
 
     patched, unpatched = build(True), build(False)
@@ -400,7 +412,7 @@ def main() -> None:
             out = work / f"{name.replace('+', '-')}-{ld.name.replace('/', 'ps')}"
             out.mkdir()
             t0 = time.monotonic()
-            with system(name, patched, unpatched, gguf, pool, cpus) as (url, key, server_url, log):
+            with system(name, patched, unpatched, gguf, pool, cpus, kvctl_env) as (url, key, server_url, log):
                 before = tokens_predicted(server_url)
                 records = run_aiperf(url, key, chats, ld, tokenizer, out, cpus[1])
                 time.sleep(0.5)  # the last slot's statistics reach /metrics when it is released

@@ -169,6 +169,7 @@ def system(
     gguf: Path,
     pool: tuple[str, ...],
     cpus: tuple[set[int] | None, set[int] | None],
+    kvctl_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, str | None, str, Path]]:
     """Start ``name``; yields (the URL clients use, their API key, the server's URL, the server's log)."""
     srv_cpus, other_cpus = cpus
@@ -181,7 +182,8 @@ def system(
             srv = stack.enter_context(
                 server(patched, gguf, *pool, "--metrics", "--slots", "--no-auto-park", cpus=srv_cpus)
             )
-            url = stack.enter_context(start_stack(srv.url, cpus=other_cpus, env={"KVCTL_LOG__LEVEL": "warning"}))
+            env = {"KVCTL_LOG__LEVEL": "warning", **(kvctl_env or {})}
+            url = stack.enter_context(start_stack(srv.url, cpus=other_cpus, env=env))
         key = None
         if name.startswith("litellm"):
             url, key = stack.enter_context(litellm_proxy(url, other_cpus))
