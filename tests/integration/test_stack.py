@@ -12,7 +12,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.llama import (
-    get_json,
     parse_metrics,
     stream_completion,
 )
@@ -46,16 +45,19 @@ async def test_requests_beyond_capacity_queue_and_complete(
 
 async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactory, http: aiohttp.ClientSession) -> None:
     srv = start_server("-c", "8192", "-np", "2", "-kvu", "--slots", "--metrics", "--no-auto-park")
-    async with running_app(srv.url, proxy={"queue_depth": 1}) as (_app, url, _admin):
+    async with running_app(srv.url, proxy={"queue_depth": 1}) as (app, url, _admin):
+        assert app.proxy is not None
         running = [asyncio.create_task(stream_completion(http, url, request(f"Busy {i}", 4000))) for i in range(2)]
-        while True:  # both slots busy: the gate holds new requests
-            kv = await get_json(http, srv.url + "/kv")
-            if kv["n_slots_idle"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)  # a poll sees it
-        queued = asyncio.create_task(stream_completion(http, url, request("Queued", 50)))
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(120) as deadline:
+            # both slots busy, as the control loop's last poll saw it (what admission reads): the gate holds new
+            # requests. Polling the server here instead raced that poll on a loaded machine: a stale snapshot
+            # admitted "Queued" into the server, and the queue was empty when "Overflow" came.
+            while (kv := app.loop.state.snapshot) is None or kv.n_slots_idle != 0:  # noqa: ASYNC110 - the loop's view
+                await asyncio.sleep(0.02)
+            queued = asyncio.create_task(stream_completion(http, url, request("Queued", 50)))
+            while app.proxy.queue.queued < 1:  # noqa: ASYNC110 - it waits in kvctl's queue, which is now full
+                await asyncio.sleep(0.02)
+        assert not deadline.expired(), (app.loop.state.snapshot, app.proxy.queue.queued)
         async with http.post(url + "/completion", json=request("Overflow", 50)) as resp:
             assert resp.status == 503 and resp.headers["Retry-After"] == "2"
             assert (await resp.json())["error"]["kvctl_code"] == "queue_full"
