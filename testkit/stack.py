@@ -52,16 +52,7 @@ def start_stack(
         f"127.0.0.1:{aport}",
         *extra,
     ]
-    env = {**os.environ, "KVCTL_LOG__FORMAT": "json", **(env or {})}
-    with log.open("ab") as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )
+    proc = spawn_group(cmd, log, {**os.environ, "KVCTL_LOG__FORMAT": "json", **(env or {})}, cpus)
     _ADMIN[f"http://127.0.0.1:{pport}"] = (f"http://127.0.0.1:{aport}", proc.pid)
     try:
         deadline = time.monotonic() + timeout_s
@@ -81,6 +72,23 @@ def start_stack(
         yield f"http://127.0.0.1:{pport}"
     finally:
         stop_group(proc)
+
+
+def spawn_group(
+    cmd: Sequence[str], log: Path, env: dict[str, str], cpus: set[int] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in a session of its own (so `stop_group` reaches its children too), its output appended to
+    ``log``, on ``cpus`` when given."""
+    with log.open("ab") as f:
+        return subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
 
 
 def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 15) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.common import server
 from testkit.llama import free_port
-from testkit.stack import start_stack
+from testkit.stack import spawn_group, start_stack, stop_group
 
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "smollm2"  # the name clients ask for; llama-server serves whatever it loaded under any name
@@ -137,23 +137,12 @@ def litellm_proxy(api_base: str, cpus: set[int] | None, retries: int = 3) -> Ite
     }
     cmd = [str(venv / "bin" / "litellm"), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--num_workers", "1"]
-    with log.open("ab") as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-            cwd=work,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )
+    proc = spawn_group(cmd, log, env, cpus, cwd=work)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_http(url + "/health/liveliness", proc, log, 120)
         yield url, key
     finally:
-        from testkit.stack import stop_group
-
         stop_group(proc)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -48,16 +48,18 @@ async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactor
     async with running_app(srv.url, proxy={"queue_depth": 1}) as (app, url, _admin):
         assert app.proxy is not None
         running = [asyncio.create_task(stream_completion(http, url, request(f"Busy {i}", 4000))) for i in range(2)]
-        async with asyncio.timeout(120) as deadline:
-            # both slots busy, as the control loop's last poll saw it (what admission reads): the gate holds new
-            # requests. Polling the server here instead raced that poll on a loaded machine: a stale snapshot
-            # admitted "Queued" into the server, and the queue was empty when "Overflow" came.
-            while (kv := app.loop.state.snapshot) is None or kv.n_slots_idle != 0:  # noqa: ASYNC110 - the loop's view
-                await asyncio.sleep(0.02)
-            queued = asyncio.create_task(stream_completion(http, url, request("Queued", 50)))
-            while app.proxy.queue.queued < 1:  # noqa: ASYNC110 - it waits in kvctl's queue, which is now full
-                await asyncio.sleep(0.02)
-        assert not deadline.expired(), (app.loop.state.snapshot, app.proxy.queue.queued)
+        try:
+            async with asyncio.timeout(120):
+                # both slots busy, as the control loop's last poll saw it (what admission reads): the gate holds new
+                # requests. Polling the server here instead raced that poll on a loaded machine: a stale snapshot
+                # admitted "Queued" into the server, and the queue was empty when "Overflow" came.
+                while (kv := app.loop.state.snapshot) is None or kv.n_slots_idle != 0:  # noqa: ASYNC110 - loop's view
+                    await asyncio.sleep(0.02)
+                queued = asyncio.create_task(stream_completion(http, url, request("Queued", 50)))
+                while app.proxy.queue.queued < 1:  # noqa: ASYNC110 - it waits in kvctl's queue, which is now full
+                    await asyncio.sleep(0.02)
+        except TimeoutError as e:  # say where it stood, not just that time ran out
+            raise AssertionError(f"snapshot {app.loop.state.snapshot}, queued {app.proxy.queue.queued}") from e
         async with http.post(url + "/completion", json=request("Overflow", 50)) as resp:
             assert resp.status == 503 and resp.headers["Retry-After"] == "2"
             assert (await resp.json())["error"]["kvctl_code"] == "queue_full"
