@@ -40,6 +40,8 @@ RESUME_REASONS = ("below_low", "nothing_resident", "starvation", "manual")
 """The reasons of kvctl_resumes_total (controller.policy.types.Reason's resume reasons)."""
 PARK_MODES = ("swap", "recompute")
 """controller.upstream.models.ParkMode's values."""
+PARK_TIERS = ("ram", "disk", "none")
+"""ParkTier's values: where a park put the cells (a swap's RAM or disk, a recompute's none)."""
 
 
 class Metrics:
@@ -79,9 +81,10 @@ class Metrics:
         )
         self.parks = Counter(
             "kvctl_parks_total",
-            "Requests parked by kvctl, by reason, mode (swap: a snapshot in host RAM; recompute: cells freed, "
-            "evaluated again on resume) and priority class (high, normal, low: policy.priority_high_at/low_at)",
-            ["reason", "mode", "priority_class"],
+            "Requests parked by kvctl, by reason, mode (swap: a snapshot copied out; recompute: cells freed, "
+            "evaluated again on resume), tier (where the cells went: ram, disk, none for a recompute) and priority "
+            "class (high, normal, low: policy.priority_high_at/low_at)",
+            ["reason", "mode", "tier", "priority_class"],
             registry=r,
         )
         self.resumes = Counter("kvctl_resumes_total", "Requests resumed by kvctl, by reason", ["reason"], registry=r)
@@ -109,9 +112,9 @@ class Metrics:
             for status in ACTION_FAILURE_STATUSES:
                 self.action_failures.labels(action=action, status=status)
         for reason in PARK_REASONS:
-            for mode in PARK_MODES:
+            for mode, tier in (("swap", "ram"), ("swap", "disk"), ("recompute", "none")):
                 for cls in PRIORITY_CLASSES:
-                    self.parks.labels(reason=reason, mode=mode, priority_class=cls)
+                    self.parks.labels(reason=reason, mode=mode, tier=tier, priority_class=cls)
         for reason in RESUME_REASONS:
             self.resumes.labels(reason=reason)
         self.park_seconds = Histogram(
@@ -134,6 +137,25 @@ class Metrics:
             "kvctl_pinned_requests", "Requests parked by hand, left parked by the policy", registry=r
         )
         self.parked_bytes = Gauge("kvctl_parked_bytes", "Host RAM held by parked snapshots", registry=r)
+        self.park_disk_used_bytes = Gauge(
+            "kvctl_park_disk_used_bytes", "Disk held by snapshot files under the server's --park-disk", registry=r
+        )
+        self.park_disk_budget_bytes = Gauge(
+            "kvctl_park_disk_budget_bytes", "The server's --park-disk-mib in bytes (0: no disk tier)", registry=r
+        )
+        self.park_disk_rate = Gauge(
+            "kvctl_park_disk_bytes_per_second",
+            "The disk tier's rates as the server measured them: write (a park until its file is written back), read "
+            "(a resume until its copy back is done); 0 until measured",
+            ["direction"],
+            registry=r,
+        )
+        self.park_disk_fallbacks = Gauge(
+            "kvctl_park_disk_fallbacks",
+            "Snapshot files the server could not write or read back whole since it started (their requests were "
+            "recomputed): a disk that fails or fills up",
+            registry=r,
+        )
         self.longest_wait_seconds = Gauge(
             "kvctl_parked_longest_wait_seconds", "How long the longest-parked request has waited", registry=r
         )

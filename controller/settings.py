@@ -329,6 +329,21 @@ class RestoreOrder(StrEnum):
     """The seed PR's order: most-parked first, then longest-waiting; a request that does not fit is passed over."""
 
 
+class ParkTierChoice(StrEnum):
+    """Where kvctl parks a victim's cells (`policy.park_tier`)."""
+
+    AUTO = "auto"
+    """Per victim, what resumes soonest at the rates the server measured: a snapshot in host RAM while the budget and
+    the headroom hold it, else a file on the server's disk tier (`--park-disk`), else a recompute; a recompute also
+    where evaluating the tokens again is faster (a short request)."""
+    RAM = "ram"
+    """Host RAM, else recompute: never the disk tier."""
+    DISK = "disk"
+    """The disk tier, else recompute: never host RAM (for an operator who keeps RAM for the prompt cache)."""
+    RECOMPUTE = "recompute"
+    """Always recompute: no snapshots anywhere."""
+
+
 class PolicySettings(_Group):
     """The watermark policy (docs/controller.md)."""
 
@@ -351,6 +366,13 @@ class PolicySettings(_Group):
     """Host RAM in MiB never used for snapshots: a swap park needs the host's available memory (the smaller of what
     kvctl and the server see) minus this reserve, so a park cannot push the host into swapping or the OOM killer; a
     victim whose snapshot does not fit is parked by recompute instead (with an older server, not at all)."""
+
+    park_tier: ParkTierChoice = ParkTierChoice.AUTO
+    """Where a victim's cells go: `auto` (default) chooses per victim between host RAM, the server's disk tier
+    (`--park-disk`) and recompute by which resumes soonest at the rates the server measured (copy, disk and prefill),
+    so a short request recomputes and a long one goes to RAM or disk; `ram`, `disk` or `recompute` pin it, each
+    falling back to recompute when it cannot hold the snapshot. Without a disk tier on the server, `disk` parks by
+    recompute."""
 
     restore_margin_cells: int = Field(default=16, ge=0)
     """Cells added to a restored request's own cells and next-step cells when checking LOW: a few decode steps of

@@ -8,9 +8,11 @@ from controller.upstream.models import (
     KvSnapshot,
     Lease,
     NextStep,
+    ParkDisk,
     ParkInfo,
     ParkMode,
     ParkRates,
+    ParkTier,
     PoolInfo,
     Slot,
     SlotState,
@@ -34,6 +36,7 @@ class S:
     mode: ParkMode | None = None  # parked: how (None: swap)
     recomputing: bool = False  # prompt state: resumed by recompute, evaluating its tokens again
     priority: int | None = None  # the request's priority (patch 25); None: a server that does not say
+    tier: ParkTier | None = None  # parked by swap on a server with tiers: where (None: RAM)
 
 
 def kv(
@@ -48,10 +51,15 @@ def kv(
     host_ram: int | None = None,
     rates: ParkRates | None = None,
     swa: tuple[int, int] | None = None,
+    disk: ParkDisk | None = None,
 ) -> KvSnapshot:
     """park_modes None: an older server (swap only, no costs published); host_ram and rates: what a newer server
     reports of the host's available memory and of its measured copy and prompt rates; swa (cells, window): an iSWA
-    model's window pool, each resident slot holding min(its cells, window) cells there."""
+    model's window pool, each resident slot holding min(its cells, window) cells there; disk: the server's disk tier
+    (its tiers then ram, disk and none; ram only while budget is not 0)."""
+    tiers = None
+    if disk is not None:
+        tiers = ((ParkTier.RAM,) if budget != 0 else ()) + (ParkTier.DISK, ParkTier.NONE)
     out = []
     used = 0
     parked_bytes = 0
@@ -94,6 +102,7 @@ def kv(
                     parked_since_ms=s.parked_since_ms if state is SlotState.PARKED else None,
                     n_cells=s.n_cells if parked and newer else None,
                     mode=(s.mode or ParkMode.SWAP) if parked and newer else s.mode,
+                    tier=(s.tier or (ParkTier.NONE if recompute else ParkTier.RAM)) if parked and tiers else None,
                     recomputing=s.recomputing,
                     snapshot_bytes=(held if parked else s.snapshot_bytes) if newer else None,
                 ),
@@ -139,6 +148,8 @@ def kv(
         parked_bytes=parked_bytes,
         park_ram_budget_bytes=budget,
         park_modes=park_modes,
+        park_tiers=tiers,
+        park_disk=disk,
         host_ram_available_bytes=host_ram,
         park_rates=rates or ParkRates(),
         lease=Lease(held=True, ttl_s=10, age_ms=0),

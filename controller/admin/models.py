@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "SCHEMA_VERSION",
+    "DiskView",
     "ExitView",
     "GpuDeviceView",
     "LoopView",
@@ -24,14 +25,15 @@ __all__ = [
     "UpstreamView",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
 3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and
 ``effective_priority``. 5: added the pool's ``swa`` (an iSWA model's window pool). 6: added the supervisor's
 ``failed`` state (also ``upstream.state``), its ``early_exits``, ``failed_after`` and ``failure``, and the last
 exit's ``signal`` and ``log_tail``; the supervisor's ``pid`` is null once the server has exited. 7: added the
-supervisor's ``argv`` (a planned restart may change it)."""
+supervisor's ``argv`` (a planned restart may change it). 8: added the pool's ``disk`` (the server's disk tier;
+``parked_bytes`` is host RAM only) and the slots' ``park_tier``."""
 
 
 class _Model(BaseModel):
@@ -114,7 +116,23 @@ class PoolView(_Model):
     n_parked: int
     parked_bytes: int
     parked_budget_bytes: int
-    """What parked snapshots may hold: the smaller of policy.snapshot_budget_mib and the server's --park-ram."""
+    """What parked snapshots may hold in host RAM: the smaller of policy.snapshot_budget_mib and the server's
+    --park-ram."""
+    disk: DiskView | None = None
+    """The server's disk tier (--park-disk); None: it has none."""
+
+
+class DiskView(_Model):
+    """The server's disk tier for snapshots that host RAM does not hold."""
+
+    dir: str
+    used_bytes: int
+    budget_bytes: int
+    files: int
+    write_bytes_per_s: float | None
+    read_bytes_per_s: float | None
+    fallbacks: int
+    """Snapshot files the server could not write or read back whole since it started (recomputed instead)."""
 
 
 class SlotView(_Model):
@@ -134,6 +152,8 @@ class SlotView(_Model):
     auto_parked: bool
     park_mode: str | None = None
     """``swap`` or ``recompute`` for a parked request (or one evaluating its tokens again); None otherwise."""
+    park_tier: str | None = None
+    """Where a parked request's cells are: ``ram``, ``disk``, or ``none`` (a recompute); None otherwise."""
     recomputing: bool = False
     """Resumed after a recompute park, evaluating its tokens again."""
     priority: int | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from controller.admin.models import (
+    DiskView,
     ExitView,
     GpuDeviceView,
     LoopView,
@@ -18,7 +19,7 @@ from controller.admin.models import (
 )
 from controller.loop.gpu_room import DeviceRoom
 from controller.loop.state import LoopState
-from controller.policy.pool import effective_priorities, pressure
+from controller.policy.pool import effective_priorities, pressure, ram_parked_bytes
 from controller.policy.types import PolicyConfig, PolicyInput
 from controller.probes.gpu import GpuState
 from controller.upstream.models import KvSnapshot, SlotState
@@ -125,8 +126,19 @@ def _pool_view(kv: KvSnapshot, state: LoopState, config: PolicyConfig, above_hig
         max_growth=state.max_growth,
         above_high_s=above_high_s,
         n_parked=kv.n_parked,
-        parked_bytes=kv.parked_bytes,
+        parked_bytes=ram_parked_bytes(kv),
         parked_budget_bytes=min(config.budget_bytes, server_budget),
+        disk=None
+        if kv.park_disk is None
+        else DiskView(
+            dir=kv.park_disk.dir,
+            used_bytes=kv.park_disk.used_bytes,
+            budget_bytes=kv.park_disk.budget_bytes,
+            files=kv.park_disk.files,
+            write_bytes_per_s=kv.park_disk.write_bytes_per_s,
+            read_bytes_per_s=kv.park_disk.read_bytes_per_s,
+            fallbacks=kv.park_disk.fallbacks,
+        ),
     )
 
 
@@ -151,6 +163,7 @@ def _slot_views(kv: KvSnapshot, state: LoopState, config: PolicyConfig, now_ms: 
                 pinned=history is not None and history.pinned,
                 auto_parked=s.park.auto,
                 park_mode=str(s.park.mode) if s.park.mode is not None else None,
+                park_tier=str(s.park.tier) if s.park.tier is not None else None,
                 recomputing=s.park.recomputing,
                 priority=s.priority,
                 effective_priority=eff.get(s.id) if s.id_task is not None else None,

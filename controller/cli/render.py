@@ -145,7 +145,23 @@ def _pool_lines(pool: PoolView | None, *, unicode: bool) -> list[tuple[str, str]
         ),
         ("projected", projected),
         ("parked", f"{pool.n_parked} {requests}, {human_bytes(pool.parked_bytes)}{budget}"),
+        *_disk_lines(pool),
     ]
+
+
+def _disk_lines(pool: PoolView) -> list[tuple[str, str]]:
+    d = pool.disk
+    if d is None:
+        return []
+    text = f"{human_bytes(d.used_bytes)} of {human_bytes(d.budget_bytes)} in {d.files} files under {d.dir}"
+    rates = [
+        f"{name} {human_bytes(int(rate))}/s"
+        for name, rate in (("write", d.write_bytes_per_s), ("read", d.read_bytes_per_s))
+        if rate
+    ]
+    text += f"  ({', '.join(rates)})" if rates else ""
+    text += f"  {d.fallbacks} recomputed after a disk error" if d.fallbacks else ""
+    return [("on disk", text)]
 
 
 def _gpu_text(device: GpuDeviceView) -> str:
@@ -185,6 +201,8 @@ def _slot_row(slot: SlotView) -> list[str]:
     flags = [name for name, on in (("pinned", slot.pinned), ("auto", slot.auto_parked)) if on]
     if slot.park_mode is not None:
         flags.append("re-evaluating" if slot.recomputing else slot.park_mode)
+        if slot.park_tier == "disk" and not slot.recomputing:
+            flags.append("on disk")
     busy = slot.id_task is not None
     return [
         str(slot.id),

@@ -19,13 +19,16 @@ from controller.loop.poller import Poller
 from controller.loop.recorder import Recorder, action_fields
 from controller.loop.state import LoopState
 from controller.policy.types import Action, ActionKind, Reason
-from controller.settings import UpstreamSettings
+from controller.settings import ParkTierChoice, UpstreamSettings
 from controller.upstream.client import UpstreamApiError, UpstreamError, UpstreamUnavailable
-from controller.upstream.models import ParkMode, ParkResult, ResumeResult, SlotState
+from controller.upstream.models import ParkMode, ParkResult, ParkTier, ResumeResult, SlotState
 
 __all__ = ["ASSUMED_COPY_BYTES_PER_S", "Actuator", "Outcome"]
 
 ASSUMED_COPY_BYTES_PER_S = 1e9  # a park's copy rate until the server has measured one
+AUTO = ParkTierChoice.AUTO
+ASSUMED_DISK_BYTES_PER_S = 1e8
+"""A disk park's or resume's rate until the server has measured one: a slow disk, so that a first timeout is long."""
 COPY_SLOWDOWN = 4.0
 """With only the copy rate known (an older server), a park or resume may take this many times its copy: the server
 slices it between the other requests' steps (about twice its copy time on a busy server), with room to spare."""
@@ -65,14 +68,19 @@ class Actuator:
         # a proxy may end a request that cannot fit by closing its client's stream
         self._on_end = on_end
 
-    def action_timeout_s(self, n_bytes: int) -> float:
+    def action_timeout_s(self, n_bytes: int, disk: bool = False) -> float:
         """How long a park or resume of an n_bytes snapshot may take: it is answered once its copy is done, at the
         server's measured wall-clock rate (WALL_SLACK), else its copy rate (COPY_SLOWDOWN; 1 GB/s until measured);
+        to or from disk, at the slower of the disk tier's measured rates (WALL_SLACK; 100 MB/s until measured);
         within upstream.action_timeout_min_s and action_timeout_max_s."""
         up = self.settings
         kv = self.state.snapshot
         rates = kv.park_rates if kv is not None else None
-        if rates is not None and rates.wall_bytes_per_s:
+        d = kv.park_disk if kv is not None else None
+        if disk:
+            measured = [r for r in (d.write_bytes_per_s, d.read_bytes_per_s) if r] if d is not None else []
+            work_s = WALL_SLACK * n_bytes / min(measured, default=ASSUMED_DISK_BYTES_PER_S)
+        elif rates is not None and rates.wall_bytes_per_s:
             work_s = WALL_SLACK * n_bytes / rates.wall_bytes_per_s
         else:
             copy = (rates.copy_bytes_per_s if rates is not None else None) or ASSUMED_COPY_BYTES_PER_S
@@ -136,30 +144,52 @@ class Actuator:
             return a.mode
         return a.mode if kv is not None and kv.park_modes is not None else None
 
+    def _tiers(self) -> tuple[ParkTier, ...]:
+        kv = self.state.snapshot
+        return kv.park_tiers if kv is not None and kv.park_tiers is not None else ()
+
     async def _park(self, a: Action, fields: dict[str, object]) -> ParkResult:
         """Park as asked; a policy's swap the server cannot hold now (503: its snapshot arena cannot grow, host memory
-        ran short) becomes a park by recompute, since the request must still give up its cells."""
+        ran short, the disk is full) goes to the disk tier where the policy allows it and the server has one, else
+        becomes a park by recompute, since the request must still give up its cells."""
         mode = self._wire_mode(a)
+        tier = a.tier if a.tier is not None and a.tier in self._tiers() and mode is not None else None
         try:
-            return await self._park_call(a.slot, a.id_task, mode)
+            return await self._park_call(a.slot, a.id_task, mode, tier)
         except UpstreamApiError as e:
             kv = self.state.snapshot
             modes = kv.park_modes if kv is not None else None
             if a.reason is Reason.MANUAL or mode is not ParkMode.SWAP or e.status != 503:
                 raise
+            self.recorder.swap_refused(fields, e)
+            if tier is ParkTier.RAM and ParkTier.DISK in self._tiers() and self.recorder.config.park_tier is AUTO:
+                fields["tier"] = str(ParkTier.DISK)
+                try:
+                    return await self._park_call(a.slot, a.id_task, mode, ParkTier.DISK)
+                except UpstreamApiError as e2:
+                    if e2.status != 503:
+                        raise
+                    self.recorder.swap_refused(fields, e2)
             if not modes or ParkMode.RECOMPUTE not in modes:
                 raise
-            self.recorder.swap_refused(fields, e)
             fields["mode"] = str(ParkMode.RECOMPUTE)
+            fields.pop("tier", None)
             return await self._park_call(a.slot, a.id_task, ParkMode.RECOMPUTE)
 
-    async def _park_call(self, slot: int, id_task: int, mode: ParkMode | None) -> ParkResult:
-        timeout_s = self.action_timeout_s(self.action_bytes(slot))
-        call = self.calls.client.park(slot, id_task, mode, timeout_s=timeout_s)
+    async def _park_call(
+        self, slot: int, id_task: int, mode: ParkMode | None, tier: ParkTier | None = None
+    ) -> ParkResult:
+        timeout_s = self.action_timeout_s(self.action_bytes(slot), disk=tier is ParkTier.DISK)
+        call = self.calls.client.park(slot, id_task, mode, timeout_s=timeout_s, tier=tier)
         return await self.calls.timed(call, timeout_s, action=True)
 
+    def _parked_on_disk(self, slot_id: int) -> bool:
+        kv = self.state.snapshot
+        slot = next((s for s in kv.slots if s.id == slot_id), None) if kv is not None else None
+        return slot is not None and slot.park.tier is ParkTier.DISK
+
     async def _resume(self, slot: int, id_task: int) -> ResumeResult:
-        timeout_s = self.action_timeout_s(self.action_bytes(slot))
+        timeout_s = self.action_timeout_s(self.action_bytes(slot), disk=self._parked_on_disk(slot))
         call = self.calls.client.resume(slot, id_task, timeout_s=timeout_s)
         return await self.calls.timed(call, timeout_s, action=True)
 

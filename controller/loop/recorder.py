@@ -16,9 +16,10 @@ import structlog
 from controller.loop.gpu_room import GpuRoom
 from controller.loop.state import LoopState
 from controller.metrics import Metrics
+from controller.policy.pool import ram_parked_bytes
 from controller.policy.types import Action, ActionKind, Decision, PolicyConfig, SkipReason, TaskHistory
 from controller.upstream.client import UpstreamApiError, UpstreamError
-from controller.upstream.models import KvSnapshot, ParkMode, ParkResult, ResumeResult, SlotState
+from controller.upstream.models import KvSnapshot, ParkMode, ParkResult, ParkTier, ResumeResult, SlotState
 
 __all__ = ["Recorder"]
 
@@ -41,6 +42,8 @@ def action_fields(a: Action) -> dict[str, object]:
     if a.kind is ActionKind.PARK:
         fields["mode"] = str(a.mode) if a.mode is not None else None
         fields["mode_reason"] = str(a.mode_reason) if a.mode_reason is not None else None
+        if a.tier is not None:
+            fields["tier"] = str(a.tier)
     return fields
 
 
@@ -110,7 +113,13 @@ class Recorder:
             m.kv_projected_ratio.labels(pool="swa").set(p.swa)
         m.kv_pressure_ratio.set(p.value)
         m.parked_requests.set(kv.n_parked)
-        m.parked_bytes.set(kv.parked_bytes)
+        m.parked_bytes.set(ram_parked_bytes(kv))
+        d = kv.park_disk
+        m.park_disk_used_bytes.set(d.used_bytes if d is not None else 0)
+        m.park_disk_budget_bytes.set(d.budget_bytes if d is not None else 0)
+        m.park_disk_rate.labels(direction="write").set((d.write_bytes_per_s or 0) if d is not None else 0)
+        m.park_disk_rate.labels(direction="read").set((d.read_bytes_per_s or 0) if d is not None else 0)
+        m.park_disk_fallbacks.set(d.fallbacks if d is not None else 0)
         m.pinned_requests.set(sum(1 for h in self.state.history.values() if h.pinned))
         if self.state.host is not None:
             m.host_available_bytes.set(self.state.host.available_bytes)
@@ -166,13 +175,16 @@ class Recorder:
         self.state.history[r.id_task] = replace(old, pinned=old.pinned or pin)
         # the server's word on the mode; one that does not say it is an older server, which swaps only
         mode = r.mode or a.mode or ParkMode.SWAP
+        # where the cells went: the server's word, else RAM for a swap (a server without tiers)
+        tier = r.tier or (ParkTier.RAM if mode is ParkMode.SWAP else ParkTier.NONE)
         cls = self.config.priority_class(a.priority)
-        self.metrics.parks.labels(reason=str(a.reason), mode=str(mode), priority_class=cls).inc()
+        self.metrics.parks.labels(reason=str(a.reason), mode=str(mode), tier=str(tier), priority_class=cls).inc()
         self.metrics.park_seconds.observe(seconds)
         log.info(
             "park.done",
-            **{**fields, "n_cells": r.n_cells, "mode": str(mode)},
+            **{**fields, "n_cells": r.n_cells, "mode": str(mode), "tier": str(tier)},
             server_mode_reason=r.mode_reason,
+            fallback=r.fallback,
             n_bytes=r.n_bytes + r.n_bytes_draft,
             park_ms=r.timings.park_ms,
             copy_ms=r.timings.copy_ms,
@@ -195,6 +207,8 @@ class Recorder:
             "restore.done",
             **{**fields, "n_cells": r.n_cells},
             mode=str(r.mode) if r.mode is not None else None,
+            tier=str(r.tier) if r.tier is not None else None,
+            fallback=r.fallback,
             expected_cells=a.n_cells,
             resume_ms=r.timings.resume_ms,
             parked_ms=r.t_parked_ms,

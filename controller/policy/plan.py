@@ -7,12 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from controller.policy.pool import (
+    DISK_FILE_HEADER,
     Pool,
     arrival,
+    disk_left,
+    disk_slower,
     effective_priorities,
     largest_resident,
     pool_of,
     pressure,
+    ram_parked_bytes,
     recompute_cheaper,
     snapshot_bytes,
     step_cells,
@@ -32,10 +36,24 @@ from controller.policy.types import (
     SkipReason,
     TaskHistory,
 )
-from controller.settings import RestoreOrder
-from controller.upstream.models import ParkMode, Slot, SlotState
+from controller.settings import ParkTierChoice, RestoreOrder
+from controller.upstream.models import ParkMode, ParkTier, Slot, SlotState
 
 # --- one decision --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ParkChoice:
+    """How one victim is parked."""
+
+    mode: ParkMode
+    why: ModeReason
+    n_bytes: int = 0
+    """Host RAM it takes: a swap to RAM's snapshot."""
+    tier: ParkTier | None = None
+    """Where its cells go, on a server with tiers."""
+    disk_bytes: int = 0
+    """Disk it takes: a swap to disk's file."""
 
 
 @dataclass(slots=True)
@@ -50,6 +68,8 @@ class _Plan:
     gpu_low: bool
     budget_left: float
     host_left: float
+    disk_left: float
+    """What is left of the server's disk budget; 0 without a disk tier."""
     protected: Slot | None
     """The largest resident request of the highest priority present: never parked, so someone finishes."""
     slots: list[Slot]
@@ -84,8 +104,9 @@ class _Plan:
             high=pool.below(cfg.high),
             low=pool.up_to(cfg.low),
             gpu_low=gpu_low,
-            budget_left=max(0.0, min(cfg.budget_bytes, server_budget) - kv.parked_bytes),
+            budget_left=max(0.0, min(cfg.budget_bytes, server_budget) - ram_parked_bytes(kv)),
             host_left=host_left,
+            disk_left=disk_left(kv),
             protected=largest_resident([s for s in residents if eff.get(s.id, 0) == top]),
             slots=slots,
             residents=residents,
@@ -121,32 +142,54 @@ class _Plan:
         cands = [s for s in self.residents if s.state is SlotState.GENERATING and s.id_task is not None]
         return sorted(cands, key=lambda s: (self.priority(s), self.parked_before(s), -arrival(s), -task_id(s), -s.id))
 
-    def park_mode(self, slot: Slot) -> tuple[ParkMode, ModeReason, int] | SkipReason:
-        """How to park this victim now, with why and the host RAM it takes; or why it cannot be parked."""
+    def park_mode(self, slot: Slot) -> ParkChoice | SkipReason:
+        """How to park this victim now (policy.park_tier): host RAM, the disk tier or recompute, with why; or why
+        it cannot be parked."""
         kv = self.inp.kv
         modes = (ParkMode.SWAP,) if kv.park_modes is None else kv.park_modes  # an older server swaps only
+        tiers = kv.park_tiers  # None: a server without tiers, whose swaps are in RAM
         recompute = ParkMode.RECOMPUTE in modes
-        if ParkMode.SWAP not in modes or (recompute and self.cfg.budget_bytes == 0):
+        pick = self.cfg.park_tier
+        none = ParkTier.NONE if tiers is not None else None
+        ram = (
+            ParkMode.SWAP in modes
+            and pick in (ParkTierChoice.AUTO, ParkTierChoice.RAM)
+            and (tiers is None or ParkTier.RAM in tiers)
+            and not (recompute and self.cfg.budget_bytes == 0)
+        )
+        disk = pick in (ParkTierChoice.AUTO, ParkTierChoice.DISK) and tiers is not None and ParkTier.DISK in tiers
+        if not ram and not disk and not (recompute and pick is ParkTierChoice.RECOMPUTE):
             if recompute:
-                return ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, 0
+                return ParkChoice(ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, tier=none)
             return SkipReason.PARKING_OFF
+        if pick is ParkTierChoice.RECOMPUTE:
+            return ParkChoice(ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, tier=none)
         n_bytes = snapshot_bytes(slot, kv)
-        if n_bytes > self.budget_left:
-            why, skip = ModeReason.BUDGET, SkipReason.BUDGET
-        elif n_bytes > self.host_left:
-            why, skip = ModeReason.HOST_RAM, SkipReason.HOST_RAM
-        elif recompute and recompute_cheaper(slot.cells, n_bytes, kv.park_rates):
-            return ParkMode.RECOMPUTE, ModeReason.CHEAPER, 0
-        else:
-            return ParkMode.SWAP, ModeReason.FITS, n_bytes
-        return (ParkMode.RECOMPUTE, why, 0) if recompute else skip
+        why, skip = ModeReason.RECOMPUTE_ONLY, SkipReason.PARKING_OFF
+        if ram:
+            if n_bytes > self.budget_left:
+                why, skip = ModeReason.BUDGET, SkipReason.BUDGET
+            elif n_bytes > self.host_left:
+                why, skip = ModeReason.HOST_RAM, SkipReason.HOST_RAM
+            elif recompute and recompute_cheaper(slot.cells, n_bytes, kv.park_rates):
+                return ParkChoice(ParkMode.RECOMPUTE, ModeReason.CHEAPER, tier=none)
+            else:
+                return ParkChoice(ParkMode.SWAP, ModeReason.FITS, n_bytes, ParkTier.RAM if tiers is not None else None)
+        if disk:
+            if n_bytes + DISK_FILE_HEADER > self.disk_left:
+                why = ModeReason.DISK_BUDGET
+            elif recompute and disk_slower(slot.cells, n_bytes, kv.park_rates, kv.park_disk):
+                return ParkChoice(ParkMode.RECOMPUTE, ModeReason.CHEAPER, tier=none)
+            else:
+                return ParkChoice(ParkMode.SWAP, ModeReason.DISK, 0, ParkTier.DISK, n_bytes + DISK_FILE_HEADER)
+        return ParkChoice(ParkMode.RECOMPUTE, why, tier=none) if recompute else skip
 
     def park_until(
         self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool, at_most: int | None = None
     ) -> bool:
         """Park victims in order until ``done()``, only those of effective priority ``at_most`` or lower when given.
         With ``all_or_nothing``, nothing is planned unless it gets there."""
-        saved = (replace(self.pool), self.budget_left, self.host_left, list(self.residents))
+        saved = (replace(self.pool), self.budget_left, self.host_left, self.disk_left, list(self.residents))
         planned: list[Action] = []
         skips: list[Skip] = []
         for slot in self.victims():
@@ -162,11 +205,11 @@ class _Plan:
             if isinstance(choice, SkipReason):
                 skips.append(Skip(ActionKind.PARK, slot.id, task_id(slot), choice))
                 continue
-            mode, why, n_bytes = choice
             self.pool.remove(slot)
             self.residents.remove(slot)
-            self.budget_left -= n_bytes  # only a swap holds host RAM: a recompute's n_bytes is 0
-            self.host_left -= n_bytes
+            self.budget_left -= choice.n_bytes  # only a swap to RAM holds host RAM
+            self.host_left -= choice.n_bytes
+            self.disk_left -= choice.disk_bytes
             planned.append(
                 Action(
                     ActionKind.PARK,
@@ -174,15 +217,16 @@ class _Plan:
                     task_id(slot),
                     reason,
                     slot.cells,
-                    n_bytes,
+                    choice.n_bytes,
                     self.pool.ratio(),
-                    mode=mode,
-                    mode_reason=why,
+                    mode=choice.mode,
+                    mode_reason=choice.why,
+                    tier=choice.tier,
                     priority=slot.priority or 0,
                 )
             )
         if all_or_nothing and not done():
-            self.pool, self.budget_left, self.host_left, self.residents = saved
+            self.pool, self.budget_left, self.host_left, self.disk_left, self.residents = saved
             return False
         self.skipped.extend(skips)
         self.actions.extend(planned)
@@ -318,7 +362,7 @@ def _resume(plan: _Plan, slot: Slot, reason: Reason, waited: int) -> None:
             task_id(slot),
             reason,
             slot.cells,
-            slot.park.bytes,
+            0 if slot.park.tier is ParkTier.DISK else slot.park.bytes,  # host RAM it frees
             plan.pool.ratio(),
             waited,
             priority=slot.priority or 0,

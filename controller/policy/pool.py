@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from controller.policy.types import PerPool, PolicyConfig, PolicyInput, Pressure
-from controller.upstream.models import KvSnapshot, ParkRates, Slot, SlotState
+from controller.upstream.models import KvSnapshot, ParkDisk, ParkRates, ParkTier, Slot, SlotState
 
 
 def exact(watermark: float) -> Fraction:
@@ -184,6 +184,38 @@ def snapshot_bytes(slot: Slot, kv: KvSnapshot) -> int:
     if slot.park.snapshot_bytes is not None:
         return slot.park.snapshot_bytes
     return slot.cells * kv.bytes_per_cell
+
+
+DISK_FILE_HEADER = 4096
+"""Bytes a snapshot file takes beyond its snapshot (the server's header page)."""
+DISK_FIXED_S = 0.02
+"""A disk park's and resume's cost beyond its bytes (creating, syncing, opening and mapping the file; a worker thread
+each way): why a short request recomputes rather than go to disk, where its bytes alone would say disk."""
+
+
+def ram_parked_bytes(kv: KvSnapshot) -> int:
+    """Host RAM the parked snapshots hold: the server's parked bytes less those of snapshots on disk."""
+    on_disk = sum(s.park.bytes for s in kv.slots if s.state is SlotState.PARKED and s.park.tier is ParkTier.DISK)
+    return max(0, kv.parked_bytes - on_disk)
+
+
+def disk_left(kv: KvSnapshot) -> float:
+    """What is left of the server's disk budget for snapshot files; 0 without a disk tier."""
+    d = kv.park_disk
+    if d is None or kv.park_tiers is None or ParkTier.DISK not in kv.park_tiers:
+        return 0.0
+    return float(max(0, d.budget_bytes - d.used_bytes))
+
+
+def disk_slower(n_cells: int, n_bytes: int, rates: ParkRates, disk: ParkDisk | None) -> bool:
+    """Evaluating the tokens again takes less time than parking the snapshot to disk and reading it back, at the
+    rates the server measured, with DISK_FIXED_S for each way's fixed cost; False while a rate is unmeasured."""
+    prompt = rates.prompt_tokens_per_s
+    write = disk.write_bytes_per_s if disk is not None else None
+    read = disk.read_bytes_per_s if disk is not None else None
+    if not prompt or not write or not read or prompt <= 0 or write <= 0 or read <= 0:
+        return False
+    return n_cells / prompt < 2 * DISK_FIXED_S + n_bytes / write + n_bytes / read
 
 
 def recompute_cheaper(n_cells: int, n_bytes: int, rates: ParkRates) -> bool:

@@ -8,8 +8,8 @@ from enum import StrEnum
 from typing import TypeAlias
 
 from controller.priorities import priority_class
-from controller.settings import MiB, PolicySettings, RestoreOrder
-from controller.upstream.models import KvSnapshot, ParkMode
+from controller.settings import MiB, ParkTierChoice, PolicySettings, RestoreOrder
+from controller.upstream.models import KvSnapshot, ParkMode, ParkTier
 
 
 class ActionKind(StrEnum):
@@ -51,7 +51,13 @@ class ModeReason(StrEnum):
     CHEAPER = "cheaper"
     """recompute: evaluating its tokens again takes less time than copying the snapshot out and back, as measured."""
     RECOMPUTE_ONLY = "recompute_only"
-    """recompute: the server does not park by swap (--park-ram 0), or policy.snapshot_budget_mib is 0."""
+    """recompute: the server does not park by swap (--park-ram 0), or policy.snapshot_budget_mib is 0, or
+    policy.park_tier is recompute."""
+    DISK = "disk"
+    """swap to the disk tier: host RAM cannot hold the snapshot (budget or headroom) or policy.park_tier is disk, the
+    file fits the disk budget, and reading it back is not slower than evaluating the tokens again (or unmeasured)."""
+    DISK_BUDGET = "disk_budget"
+    """recompute: host RAM cannot hold the snapshot and the file exceeds what is left of the server's disk budget."""
 
 
 class SkipReason(StrEnum):
@@ -101,6 +107,7 @@ class PolicyConfig:
     """Restore while the projection stays at or below this ratio of each pool: floor(low x n) cells."""
     budget_bytes: int = 8192 * MiB
     """0: park by recompute only (on a server that offers it; an older server then parks nothing)."""
+    park_tier: ParkTierChoice = ParkTierChoice.AUTO
     host_reserve_bytes: int = 1024 * MiB
     margin_cells: int = 16
     order: RestoreOrder = RestoreOrder.AGING
@@ -121,6 +128,7 @@ class PolicyConfig:
             high=s.high,
             low=s.low,
             budget_bytes=s.snapshot_budget_mib * MiB,
+            park_tier=s.park_tier,
             host_reserve_bytes=s.host_ram_reserve_mib * MiB,
             margin_cells=s.restore_margin_cells,
             order=s.restore_order,
@@ -193,6 +201,8 @@ class Action:
     """For a park: by swap or by recompute."""
     mode_reason: ModeReason | None = None
     """For a park: why that mode."""
+    tier: ParkTier | None = None
+    """For a park on a server with tiers: where its cells go (none: a recompute); None: a server without tiers."""
     priority: int = 0
     """The request's own priority (its metrics class); the policy ordered by its effective priority."""
 

@@ -15,7 +15,7 @@ import aiohttp
 from pydantic import BaseModel, SecretStr, TypeAdapter, ValidationError
 from yarl import URL
 
-from controller.upstream.models import ErrorEnvelope, KvSnapshot, ParkMode, ParkResult, ResumeResult, Slot
+from controller.upstream.models import ErrorEnvelope, KvSnapshot, ParkMode, ParkResult, ParkTier, ResumeResult, Slot
 
 __all__ = [
     "LEASE_HEADER",
@@ -184,16 +184,23 @@ class UpstreamClient:
             raise UpstreamProtocolError(f"/slots: unexpected answer: {e.errors()[0]['msg']}", status) from None
 
     async def park(
-        self, slot_id: int, id_task: int | None = None, mode: ParkMode | None = None, timeout_s: float | None = None
+        self,
+        slot_id: int,
+        id_task: int | None = None,
+        mode: ParkMode | None = None,
+        timeout_s: float | None = None,
+        tier: ParkTier | None = None,
     ) -> ParkResult:
-        """Park by ``mode``; None: the server's choice (swap when the snapshot fits its budget, else recompute).
-        An explicit swap that does not fit is a 503."""
+        """Park by ``mode``, its snapshot in ``tier`` (a server with tiers; ``none`` is a recompute); None: the
+        server's choice (RAM, then disk, then recompute). An explicit swap or tier that does not fit is a 503."""
         path = f"/slots/{slot_id}?action=park"
         body: dict[str, Any] = {}
         if id_task is not None:
             body["id_task"] = id_task
         if mode is not None:
             body["mode"] = str(mode)
+        if tier is not None:
+            body["tier"] = str(tier)
         status, payload = await self._request("POST", path, body, timeout_s or COPY_TIMEOUT_S)
         return self._parse(ParkResult, path, status, payload)
 

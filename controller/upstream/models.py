@@ -20,10 +20,12 @@ __all__ = [
     "KvSnapshot",
     "Lease",
     "NextStep",
+    "ParkDisk",
     "ParkInfo",
     "ParkMode",
     "ParkRates",
     "ParkResult",
+    "ParkTier",
     "ParkTimings",
     "PoolInfo",
     "ResumeResult",
@@ -86,7 +88,30 @@ class ParkMode(StrEnum):
     """Its cells are freed, only its tokens kept; on resume the server evaluates them again, like a prompt."""
 
 
+class ParkTier(StrEnum):
+    """Where a parked request's cells are (patches 37-38): a swap's snapshot in host RAM or in a file on disk; none
+    for a recompute, which keeps only the tokens."""
+
+    RAM = "ram"
+    DISK = "disk"
+    NONE = "none"
+
+
 _MODES = frozenset(m.value for m in ParkMode)
+_TIERS = frozenset(t.value for t in ParkTier)
+
+
+def _known_tier(value: object) -> object:
+    return None if isinstance(value, str) and value not in _TIERS else value
+
+
+def _known_tiers(value: object) -> object:
+    if isinstance(value, list | tuple):
+        return tuple(v for v in value if not isinstance(v, str) or v in _TIERS)
+    return value
+
+
+_Tier = Annotated[ParkTier | None, BeforeValidator(_known_tier)]
 
 
 def _known_mode(value: object) -> object:
@@ -129,6 +154,8 @@ class ParkInfo(_Shape):
     """The mode of the current park, or of the re-evaluation in progress."""
     recomputing: bool = False
     """Resumed by recompute and evaluating its tokens again (state ``prompt``)."""
+    tier: _Tier = None
+    """Parked: where its cells are; None when not parked, or from a server without a disk tier (then RAM for a swap)."""
     snapshot_bytes: int | None = None
     """Generating: the exact host bytes a swap park of it would take now (n_cells x bytes_per_cell underestimates
     hybrid and iSWA models); swap-parked: the bytes it holds; recompute-parked: 0; otherwise, or from an older
@@ -180,6 +207,25 @@ class ParkArena(_Shape):
     keep_s: int
 
 
+class ParkDisk(_Shape):
+    """``/kv`` ``park_disk`` (patch 35): the server's --park-disk directory for snapshots RAM does not hold."""
+
+    dir: str
+    budget_bytes: int
+    used_bytes: int
+    files: int
+    writes: int = 0
+    """Snapshots written whole since the server started."""
+    reads: int = 0
+    """Snapshots read back whole since the server started."""
+    fallbacks: int = 0
+    """Snapshots that could not be written or read back: their requests were recomputed."""
+    write_bytes_per_s: float | None = None
+    """Park to disk, from its start until the file is written back (moving average); None: not measured yet."""
+    read_bytes_per_s: float | None = None
+    """Resume from disk, from the request until the copy back is done (moving average); None: not measured yet."""
+
+
 class ServerIdentity(_Shape):
     """Which process answers (patch 22): a new boot id is a restarted server, whose task ids start again."""
 
@@ -227,6 +273,10 @@ class KvSnapshot(_Shape):
     park_rates: ParkRates = ParkRates()
     park_arena: ParkArena | None = None
     """The host memory the server keeps for snapshots; None: an older server."""
+    park_disk: ParkDisk | None = None
+    """The server's disk tier; None: none (no --park-disk, or an older server)."""
+    park_tiers: Annotated[tuple[ParkTier, ...] | None, BeforeValidator(_known_tiers)] = None
+    """Where the server can keep a parked request's cells; None: a server without tiers (RAM when it swaps)."""
     server: ServerIdentity | None = None
     """None: an older server, which does not say (a restart is then told by the server going away)."""
     devices: tuple[Device, ...] | None = None
@@ -260,6 +310,10 @@ class ParkResult(_Shape):
     """The mode it was parked by; None: an older server (swap)."""
     mode_reason: str | None = None
     """The server's words for its choice: "requested", or why a swap could not be held."""
+    tier: _Tier = None
+    """Where the cells went; None: a server without tiers."""
+    fallback: str | None = None
+    """Set when a snapshot on disk could not be written: why the request was parked by recompute instead."""
 
 
 class ResumeTimings(_Shape):
@@ -279,6 +333,10 @@ class ResumeResult(_Shape):
     timings: ResumeTimings
     mode: _Mode = None
     """The mode it had been parked by; a recompute resume answers at once and re-evaluates afterwards."""
+    tier: _Tier = None
+    """Where its cells came back from; None: a server without tiers."""
+    fallback: str | None = None
+    """Set when its snapshot on disk could not be read back whole: why it is recomputed instead."""
 
 
 class ErrorBody(_Shape):

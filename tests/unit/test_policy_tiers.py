@@ -1,0 +1,96 @@
+"""policy.park_tier: host RAM, the server's disk tier (--park-disk) or recompute, per victim."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from controller.policy.plan import decide
+from controller.policy.pool import ram_parked_bytes
+from controller.policy.types import ModeReason, PolicyConfig, PolicyInput
+from controller.settings import ParkTierChoice
+from controller.upstream.models import KvSnapshot, ParkDisk, ParkMode, ParkRates, ParkTier
+from testkit.snapshots import S, kv
+from tests.harness import BOTH
+from tests.harness import POLICY_NOW as NOW
+
+CFG = PolicyConfig(high=0.94, low=0.80, budget_bytes=10**12, host_reserve_bytes=0, margin_cells=0, max_wait_ms=30_000)
+# 962 of 1000 projected: slot 1 (460 cells, a 4700-byte snapshot) is the one to park
+MODAL = [S("generating", 500, t_arrival_ms=1), S("generating", 460, t_arrival_ms=2, snapshot_bytes=4700)]
+DISK = ParkDisk(dir="/var/lib/kvpark", budget_bytes=10**9, used_bytes=0, files=0)
+
+
+def snap(disk: ParkDisk | None = DISK, **kw: object) -> KvSnapshot:
+    return kv(1000, MODAL, bytes_per_cell=10, park_modes=BOTH, disk=disk, **kw)  # type: ignore[arg-type]
+
+
+def parks(snapshot: KvSnapshot, cfg: PolicyConfig = CFG) -> list[tuple[ParkMode | None, ModeReason | None, object]]:
+    d = decide(PolicyInput(kv=snapshot, now_ms=NOW), cfg)
+    return [(a.mode, a.mode_reason, a.tier) for a in d.parks]
+
+
+def test_ram_first_then_disk_then_recompute() -> None:
+    assert parks(snap()) == [(ParkMode.SWAP, ModeReason.FITS, ParkTier.RAM)]
+    # host RAM cannot hold it: the disk tier does
+    assert parks(snap(), replace(CFG, budget_bytes=4699)) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+    assert parks(snap(host_ram=4699)) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+    # nor does the disk: recompute
+    full = DISK.model_copy(update={"budget_bytes": 4700 + 4095})
+    assert parks(snap(disk=full), replace(CFG, budget_bytes=4699)) == [
+        (ParkMode.RECOMPUTE, ModeReason.DISK_BUDGET, ParkTier.NONE)
+    ]
+    # a server without a disk tier: as before, no tier named
+    assert parks(snap(disk=None), replace(CFG, budget_bytes=4699)) == [(ParkMode.RECOMPUTE, ModeReason.BUDGET, None)]
+
+
+def test_park_tier_pins_the_tier() -> None:
+    def pinned(choice: ParkTierChoice, **kw: object) -> list[tuple[ParkMode | None, ModeReason | None, object]]:
+        return parks(snap(**kw), replace(CFG, park_tier=choice))
+
+    assert pinned(ParkTierChoice.DISK) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+    assert pinned(ParkTierChoice.RAM, host_ram=4699) == [(ParkMode.RECOMPUTE, ModeReason.HOST_RAM, ParkTier.NONE)]
+    assert pinned(ParkTierChoice.RECOMPUTE) == [(ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, ParkTier.NONE)]
+    # disk pinned on a server without one: recompute
+    assert parks(snap(disk=None), replace(CFG, park_tier=ParkTierChoice.DISK)) == [
+        (ParkMode.RECOMPUTE, ModeReason.RECOMPUTE_ONLY, None)
+    ]
+
+
+def test_a_short_request_recomputes_and_a_long_one_goes_to_disk() -> None:
+    # no RAM for snapshots; the disk writes and reads 1 MB/s, the server evaluates 1000 tokens/s
+    cfg = replace(CFG, budget_bytes=0)
+    rates = ParkRates(copy_bytes_per_s=10**9, prompt_tokens_per_s=1000)
+    slow = DISK.model_copy(update={"write_bytes_per_s": 1e6, "read_bytes_per_s": 1e6})
+    # 460 tokens: 0.46 s again, against 0.04 s fixed + 9.4 ms of bytes on disk: disk
+    assert parks(snap(disk=slow, rates=rates), replace(cfg, budget_bytes=1)) == [
+        (ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)
+    ]
+    # a request of 460 tokens whose snapshot is 1 MB (a model with a large KV per cell): recompute
+    big = [S("generating", 500, t_arrival_ms=1), S("generating", 460, t_arrival_ms=2, snapshot_bytes=10**6)]
+    snapshot = kv(1000, big, bytes_per_cell=10, park_modes=BOTH, disk=slow, rates=rates)
+    assert parks(snapshot, replace(cfg, budget_bytes=1)) == [(ParkMode.RECOMPUTE, ModeReason.CHEAPER, ParkTier.NONE)]
+    # unmeasured: disk
+    assert parks(kv(1000, big, bytes_per_cell=10, park_modes=BOTH, disk=DISK), replace(cfg, budget_bytes=1)) == [
+        (ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)
+    ]
+
+
+def test_two_victims_share_what_is_left_of_the_disk() -> None:
+    slots = [
+        S("generating", 600, t_arrival_ms=1),
+        S("generating", 300, t_arrival_ms=2, snapshot_bytes=3000),
+        S("generating", 40, t_arrival_ms=3, snapshot_bytes=400),
+        S("generating", 40, t_arrival_ms=4, snapshot_bytes=400),
+    ]
+    disk = DISK.model_copy(update={"budget_bytes": 400 + 4096 + 10})
+    snapshot = kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=disk)
+    assert parks(snapshot, replace(CFG, budget_bytes=1)) == [
+        (ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK),
+        (ParkMode.RECOMPUTE, ModeReason.DISK_BUDGET, ParkTier.NONE),
+    ]
+
+
+def test_snapshots_on_disk_leave_the_ram_budget_alone() -> None:
+    slots = [*MODAL, S("parked", 300, parked_since_ms=NOW, tier=ParkTier.DISK)]
+    snapshot = kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=DISK, budget=4700)
+    assert snapshot.parked_bytes == 3000 and ram_parked_bytes(snapshot) == 0
+    assert parks(snapshot) == [(ParkMode.SWAP, ModeReason.FITS, ParkTier.RAM)]
