@@ -105,18 +105,7 @@ class Metrics:
             ["action", "status"],
             registry=r,
         )
-        # the known label values start at 0, so that rate(), increase() and the alerts see the first failure
-        for kind in POLL_ERROR_KINDS:
-            self.poll_errors.labels(kind=kind)
-        for action in ("park", "resume"):
-            for status in ACTION_FAILURE_STATUSES:
-                self.action_failures.labels(action=action, status=status)
-        for reason in PARK_REASONS:
-            for mode, tier in (("swap", "ram"), ("swap", "disk"), ("recompute", "none")):
-                for cls in PRIORITY_CLASSES:
-                    self.parks.labels(reason=reason, mode=mode, tier=tier, priority_class=cls)
-        for reason in RESUME_REASONS:
-            self.resumes.labels(reason=reason)
+        self._start_at_zero()
         self.park_seconds = Histogram(
             "kvctl_park_duration_seconds", "Round trip of a park request", buckets=_ACTION_BUCKETS, registry=r
         )
@@ -137,25 +126,7 @@ class Metrics:
             "kvctl_pinned_requests", "Requests parked by hand, left parked by the policy", registry=r
         )
         self.parked_bytes = Gauge("kvctl_parked_bytes", "Host RAM held by parked snapshots", registry=r)
-        self.park_disk_used_bytes = Gauge(
-            "kvctl_park_disk_used_bytes", "Disk held by snapshot files under the server's --park-disk", registry=r
-        )
-        self.park_disk_budget_bytes = Gauge(
-            "kvctl_park_disk_budget_bytes", "The server's --park-disk-mib in bytes (0: no disk tier)", registry=r
-        )
-        self.park_disk_rate = Gauge(
-            "kvctl_park_disk_bytes_per_second",
-            "The disk tier's rates as the server measured them: write (a park until its file is written back), read "
-            "(a resume until its copy back is done); 0 until measured",
-            ["direction"],
-            registry=r,
-        )
-        self.park_disk_fallbacks = Gauge(
-            "kvctl_park_disk_fallbacks",
-            "Snapshot files the server could not write or read back whole since it started (their requests were "
-            "recomputed): a disk that fails or fills up",
-            registry=r,
-        )
+        self._disk_tier(r)
         self.longest_wait_seconds = Gauge(
             "kvctl_parked_longest_wait_seconds", "How long the longest-parked request has waited", registry=r
         )
@@ -187,3 +158,39 @@ class Metrics:
             ["gpu"],
             registry=r,
         )
+
+    def _disk_tier(self, r: CollectorRegistry) -> None:
+        """The server's disk tier for parked snapshots (--park-disk), from its /kv."""
+        self.park_disk_used_bytes = Gauge(
+            "kvctl_park_disk_used_bytes", "Disk held by snapshot files under the server's --park-disk", registry=r
+        )
+        self.park_disk_budget_bytes = Gauge(
+            "kvctl_park_disk_budget_bytes", "The server's --park-disk-mib in bytes (0: no disk tier)", registry=r
+        )
+        self.park_disk_rate = Gauge(
+            "kvctl_park_disk_bytes_per_second",
+            "The disk tier's rates as the server measured them: write (a park until its file is written back), read "
+            "(a resume until its copy back is done); 0 until measured",
+            ["direction"],
+            registry=r,
+        )
+        self.park_disk_fallbacks = Gauge(
+            "kvctl_park_disk_fallbacks",
+            "Snapshot files the server could not write or read back whole since it started (their requests were "
+            "recomputed): a disk that fails or fills up",
+            registry=r,
+        )
+
+    def _start_at_zero(self) -> None:
+        # the known label values start at 0, so that rate(), increase() and the alerts see the first failure
+        for kind in POLL_ERROR_KINDS:
+            self.poll_errors.labels(kind=kind)
+        for action in ("park", "resume"):
+            for status in ACTION_FAILURE_STATUSES:
+                self.action_failures.labels(action=action, status=status)
+        for reason in PARK_REASONS:
+            for mode, tier in (("swap", "ram"), ("swap", "disk"), ("recompute", "none")):
+                for cls in PRIORITY_CLASSES:
+                    self.parks.labels(reason=reason, mode=mode, tier=tier, priority_class=cls)
+        for reason in RESUME_REASONS:
+            self.resumes.labels(reason=reason)

@@ -277,6 +277,33 @@ def panels() -> list[Panel]:
     )
     L.add(
         timeseries(
+            "Parked on disk",
+            "Snapshot files on the server's disk tier (--park-disk) against its budget (--park-disk-mib), and "
+            "snapshots the server could not write or read back whole since it started (their requests were "
+            "recomputed: a disk that fails or fills up).",
+            ["kvctl_park_disk_used_bytes", "kvctl_park_disk_budget_bytes", "kvctl_park_disk_fallbacks"],
+            [
+                (f"kvctl_park_disk_used_bytes{{{R}}}", "{{replica}} on disk"),
+                (f"kvctl_park_disk_budget_bytes{{{R}}}", "{{replica}} budget"),
+                (f"kvctl_park_disk_fallbacks{{{R}}} * 1048576", "{{replica}} fallbacks (x 1 MiB)"),
+            ],
+            "bytes",
+            overrides=[dashed("budget$", "red")],
+        )
+    )
+    L.add(
+        timeseries(
+            "Disk tier rates",
+            "The disk tier's rates as the server measured them (moving averages): write, a park until its file "
+            "is written back; read, a resume until its copy back is done. kvctl's policy.park_tier auto weighs "
+            "them against the copy and prefill rates.",
+            ["kvctl_park_disk_bytes_per_second"],
+            [(f"kvctl_park_disk_bytes_per_second{{{R}}}", "{{replica}} {{direction}}")],
+            "Bps",
+        )
+    )
+    L.add(
+        timeseries(
             "Longest parked wait",
             "How long the longest-parked request has waited. The policy restores the head of the "
             "line above LOW once it has waited policy.max_wait_s; a wait far beyond that means the "

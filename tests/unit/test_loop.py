@@ -49,9 +49,9 @@ async def test_a_poll_under_pressure_parks_the_newest_and_records_it(
     parks = [s for s in fake.seen if s.query.get("action") == "park"]
     assert [(p.path, p.body) for p in parks] == [("/slots/2", b'{"id_task": 3}')]
     assert loop.state.history[3].parks == 1 and not loop.state.history[3].pinned
-    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="swap", priority_class="normal") == 1, (
-        "an older server: by swap"
-    )
+    assert (
+        sample(loop, "kvctl_parks_total", reason="pressure", mode="swap", tier="ram", priority_class="normal") == 1
+    ), "an older server: by swap"
     assert sample(loop, "kvctl_upstream_up") == 1
     assert loop.state.max_pressure == pytest.approx(953 / 1000)
     events = [e for e in logs if e["event"] == "park.done"]
@@ -68,8 +68,11 @@ async def test_the_policy_s_mode_is_asked_for_and_counted_as_the_server_answers(
         assert await loop.step()
     parks = [s for s in fake.seen if s.query.get("action") == "park"]
     assert [p.body for p in parks] == [b'{"id_task": 3, "mode": "recompute"}']
-    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute", priority_class="normal") == 1
-    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="swap", priority_class="normal") == 0
+    assert (
+        sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute", tier="none", priority_class="normal")
+        == 1
+    )
+    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="swap", tier="ram", priority_class="normal") == 0
     done = [e for e in logs if e["event"] == "park.done"]
     assert len(done) == 1
     assert (done[0]["mode"], done[0]["mode_reason"], done[0]["server_mode_reason"]) == (
@@ -79,7 +82,10 @@ async def test_the_policy_s_mode_is_asked_for_and_counted_as_the_server_answers(
     )
     # an answer that does not name its mode is counted by the mode asked for
     assert await loop.step()
-    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute", priority_class="normal") == 2
+    assert (
+        sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute", tier="none", priority_class="normal")
+        == 2
+    )
 
 
 async def test_a_swap_the_server_cannot_hold_now_becomes_a_park_by_recompute(
@@ -96,7 +102,10 @@ async def test_a_swap_the_server_cannot_hold_now_becomes_a_park_by_recompute(
         assert await loop.step()
     parks = [s.body for s in fake.seen if s.query.get("action") == "park"]
     assert parks == [b'{"id_task": 3, "mode": "swap"}', b'{"id_task": 3, "mode": "recompute"}']
-    assert sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute", priority_class="normal") == 1
+    assert (
+        sample(loop, "kvctl_parks_total", reason="pressure", mode="recompute", tier="none", priority_class="normal")
+        == 1
+    )
     assert [e["event"] for e in logs if e["event"].startswith("park.")] == ["park.swap_refused", "park.done"]
     assert [e["copy_ms"] for e in logs if e["event"] == "park.done"] == [0.0]
 
