@@ -81,6 +81,7 @@ async def test_forced_parks_through_files_give_the_unparked_ids(
     assert_complete([ref, got], 160)
     assert got.announced_ids == ref.announced_ids and got.content == ref.content
     d = (await get_json(http, srv.url + "/kv"))["park_disk"]
-    assert d["writes"] >= 4 and d["reads"] == d["writes"] and d["fallbacks"] == 0
+    # parks every 32 tokens; the first (~40 cells, 0.9 MiB) fits --park-ram 1, the later ones go to disk
     assert got.comments.count("parked") >= 4
+    assert d["writes"] >= 3 and d["reads"] == d["writes"] and d["fallbacks"] == 0
     assert snapshot_files(disk) == []
