@@ -11,13 +11,14 @@ generating request of each length through the API, and parks and resumes the sam
   recompute  the resume until the stream's next token (the server answers at once, evaluates the tokens
              again, then decodes one step).
 The last column is how many times longer a recompute resume takes than a resume from disk. Recompute rows
-above 8192 cells are measured once (a CPU prefill of 32k tokens takes minutes).
+above 4096 cells are measured once (a CPU prefill of 32k tokens takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from bench.park_cost import first_token, long_request, measure_recompute
+from bench.park_cost import first_token, long_request
 from testkit.llama import post_action
 
 MiB = 1 << 20
@@ -72,6 +73,32 @@ async def measure_disk(url: str, n_cells: int, repeat: int) -> tuple[list[float]
     return park_ms, resume_ms, n_bytes
 
 
+async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], float]:
+    """Recompute resumes until the stream's next token (client side), and the server's mean re-evaluation time."""
+    resume_ms, reeval_ms = [], float("nan")
+    timeout = aiohttp.ClientTimeout(total=None)  # a CPU prefill of 32k tokens takes minutes
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=timeout) as s:
+        body = long_request(n_cells, stream=True, n_predict=20 * repeat + 20)
+        async with s.post(url + "/completion", json=body) as resp:
+            await first_token(resp)
+            for _ in range(repeat):
+                st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
+                assert st == 200 and b["mode"] == "recompute", b
+                while await resp.content.readline() != b": parked\n":
+                    pass  # tokens streamed before the park
+                t0 = time.perf_counter()
+                st, b, _ = await post_action(s, url, 0, "resume")
+                assert st == 200, b
+                while not (await resp.content.readline()).startswith(b"data: "):
+                    pass  # ": resumed", keep-alives, blank lines
+                resume_ms.append((time.perf_counter() - t0) * 1e3)
+            async for line in resp.content:
+                event = json.loads(line[6:]) if line.startswith(b"data: ") else {}
+                if event.get("stop"):
+                    reeval_ms = event["timings"]["recompute_ms"] / repeat
+    return resume_ms, reeval_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "kvheavy", "bench"])
@@ -95,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         with server(binary, gguf, *args_srv, *disk) as srv:
             for n_cells in cells:
                 park, resume, n_bytes = asyncio.run(measure_disk(srv.url, n_cells, args.repeat))
-                rc_repeat = args.repeat if n_cells <= 8192 else 1
-                _, rc_resume, reeval, _ = asyncio.run(measure_recompute(srv.url, n_cells, rc_repeat))
+                rc_repeat = args.repeat if n_cells <= 4096 else 1
+                rc_resume, reeval = asyncio.run(measure_recompute(srv.url, n_cells, rc_repeat))
                 p50_park, p50_resume, p50_rc = (
                     statistics.median(park),
                     statistics.median(resume),

@@ -127,6 +127,7 @@ class Metrics:
         )
         self.parked_bytes = Gauge("kvctl_parked_bytes", "Host RAM held by parked snapshots", registry=r)
         self._disk_tier(r)
+        self._host_memory(r)
         self.longest_wait_seconds = Gauge(
             "kvctl_parked_longest_wait_seconds", "How long the longest-parked request has waited", registry=r
         )
@@ -156,6 +157,22 @@ class Metrics:
             "kvctl_gpu_memory_others_bytes",
             "What everything else (other processes, the driver) takes on each device the server runs on",
             ["gpu"],
+            registry=r,
+        )
+
+    def _host_memory(self, r: CollectorRegistry) -> None:
+        """What the server takes and may take of host memory (controller.loop.host_budget)."""
+        self.host_memory_bytes = Gauge(
+            "kvctl_host_memory_bytes",
+            "The server's host memory by part: its fixed buffers (model, context) and each growing budget at its "
+            "limit (park_ram: --park-ram, cache_ram: --cache-ram, checkpoints: --ctx-checkpoints a slot at the "
+            "largest checkpoint seen); an unbounded budget at what it holds",
+            ["part"],
+            registry=r,
+        )
+        self.host_memory_committed_bytes = Gauge(
+            "kvctl_host_memory_committed_bytes",
+            "The sum of kvctl_host_memory_bytes: what the server may take of host memory at most",
             registry=r,
         )
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 import structlog
 
 from controller.loop.gpu_room import GpuRoom
+from controller.loop.host_budget import host_budget
 from controller.loop.state import LoopState
 from controller.metrics import Metrics
 from controller.policy.pool import ram_parked_bytes
@@ -55,6 +56,7 @@ class Recorder:
         self._clock_ms = clock_ms
         self._skip_labels: set[tuple[str, str]] = set()
         self._blocked: set[SkipReason] = set()
+        self._host_checked: str | None = None  # the boot id whose host memory was checked
 
     # --- polls -----------------------------------------------------------------------------------
 
@@ -120,6 +122,7 @@ class Recorder:
         m.park_disk_rate.labels(direction="write").set((d.write_bytes_per_s or 0) if d is not None else 0)
         m.park_disk_rate.labels(direction="read").set((d.read_bytes_per_s or 0) if d is not None else 0)
         m.park_disk_fallbacks.set(d.fallbacks if d is not None else 0)
+        self._host_memory(kv)
         m.pinned_requests.set(sum(1 for h in self.state.history.values() if h.pinned))
         if self.state.host is not None:
             m.host_available_bytes.set(self.state.host.available_bytes)
@@ -162,6 +165,31 @@ class Recorder:
             self._blocked = blocked
         else:
             self._blocked |= blocked
+
+    def _host_memory(self, kv: KvSnapshot) -> None:
+        """The server's host memory by part, and a warning once per server start when its budgets can outgrow
+        what the host has (controller.loop.host_budget)."""
+        host = self.state.host
+        budget = host_budget(kv, host.available_bytes if host is not None else None)
+        if budget is None:
+            return
+        for part, n in budget.parts.items():
+            self.metrics.host_memory_bytes.labels(part=part).set(n)
+        self.metrics.host_memory_committed_bytes.set(budget.committed)
+        boot = kv.server.boot_id if kv.server is not None else ""
+        if self._host_checked == boot:
+            return
+        self._host_checked = boot
+        if not budget.fits:
+            log.warning(
+                "host_memory.short",
+                **{f"{part}_bytes": n for part, n in budget.parts.items()},
+                growth_bytes=budget.growth,
+                available_bytes=budget.available,
+                unbounded=list(budget.unbounded),
+                hint="the server's budgets can outgrow the host: lower --park-ram, --cache-ram or --ctx-checkpoints, "
+                "or give the host (the container) more memory; docs/operations.md, 'Host memory'",
+            )
 
     # --- actions ---------------------------------------------------------------------------------
 

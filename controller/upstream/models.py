@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 __all__ = [
     "ErrorBody",
     "ErrorEnvelope",
+    "HostMemory",
     "KvSnapshot",
     "Lease",
     "NextStep",
@@ -226,6 +227,27 @@ class ParkDisk(_Shape):
     """Resume from disk, from the request until the copy back is done (moving average); None: not measured yet."""
 
 
+class HostMemory(_Shape):
+    """``/kv`` ``host_memory`` (patch 39): what the server takes and may take of host memory."""
+
+    model_bytes: int
+    """The models' weights in host buffers (mapped from the file or loaded): all of them on a CPU build."""
+    context_bytes: int
+    """KV caches and compute buffers in host buffers."""
+    park_ram_bytes: int | None = None
+    """--park-ram in bytes; None: no limit."""
+    park_ram_used_bytes: int = 0
+    """What the snapshot arena holds now."""
+    cache_ram_bytes: int | None = None
+    """--cache-ram (the idle slots' prompt cache) in bytes; None: no limit."""
+    cache_ram_used_bytes: int = 0
+    ctx_checkpoints: int = 0
+    """--ctx-checkpoints: the most context checkpoints a slot keeps (iSWA and hybrid models take them)."""
+    checkpoints_bytes: int = 0
+    checkpoint_max_bytes: int = 0
+    """The largest checkpoint held now; 0 for a model that takes none (or none taken yet)."""
+
+
 class ServerIdentity(_Shape):
     """Which process answers (patch 22): a new boot id is a restarted server, whose task ids start again."""
 
@@ -270,6 +292,8 @@ class KvSnapshot(_Shape):
     server, which parks by swap only."""
     host_ram_available_bytes: int | None = None
     """The server's host memory available without swapping (MemAvailable); None: unknown."""
+    host_memory: HostMemory | None = None
+    """None: an older server, which does not say."""
     park_rates: ParkRates = ParkRates()
     park_arena: ParkArena | None = None
     """The host memory the server keeps for snapshots; None: an older server."""

@@ -291,3 +291,35 @@ async def test_a_pin_goes_with_its_task(fake: FakeLlamaServer, client: UpstreamC
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_host_memory_that_can_outgrow_the_host_is_warned_of_once_per_server_start(
+    fake: FakeLlamaServer, client: UpstreamClient
+) -> None:
+    gib = 1 << 30
+    hm = {"model_bytes": gib, "context_bytes": gib, "park_ram_bytes": 8 * gib, "cache_ram_bytes": 8 * gib}
+    fake.kv = kv_body(
+        slots=[{}], host_memory=hm, host_ram_available_bytes=12 * gib, server={"boot_id": "a", "t_start_ms": 1}
+    )
+    loop = make_loop(client)
+    with capture_logs() as logs:
+        for _ in range(3):
+            assert await loop.step()
+    short = [e for e in logs if e["event"] == "host_memory.short"]
+    assert len(short) == 1, logs
+    assert short[0]["growth_bytes"] == 16 * gib and short[0]["available_bytes"] == 12 * gib
+    assert sample(loop, "kvctl_host_memory_committed_bytes") == 18 * gib
+    assert sample(loop, "kvctl_host_memory_bytes", part="cache_ram") == 8 * gib
+    # a restarted server is checked again; one whose budgets fit is not warned of
+    fake.kv = kv_body(
+        slots=[{}], host_memory=hm, host_ram_available_bytes=12 * gib, server={"boot_id": "b", "t_start_ms": 2}
+    )
+    with capture_logs() as logs:
+        assert await loop.step()
+    assert [e["event"] for e in logs].count("host_memory.short") == 1
+    fake.kv = kv_body(
+        slots=[{}], host_memory=hm, host_ram_available_bytes=64 * gib, server={"boot_id": "c", "t_start_ms": 3}
+    )
+    with capture_logs() as logs:
+        assert await loop.step()
+    assert "host_memory.short" not in [e["event"] for e in logs]
