@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from bench.park_cost import first_token, long_request
+from bench.park_cost import long_request
 from testkit.llama import post_action
 
 MiB = 1 << 20
@@ -52,6 +52,13 @@ def dd_rates(directory: Path, n_mib: int = 1024) -> tuple[float, float]:
     finally:
         path.unlink(missing_ok=True)
     return write, read
+
+
+async def first_token(resp: aiohttp.ClientResponse) -> None:
+    """Read the stream up to its first token; an answer that is not a stream (an error) ends the bench."""
+    while not (line := await resp.content.readline()).startswith(b"data: "):
+        if not line:
+            raise RuntimeError(f"the request ended before its first token: HTTP {resp.status}")
 
 
 async def measure_disk(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], int]:
@@ -84,13 +91,15 @@ async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[f
             for _ in range(repeat):
                 st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
                 assert st == 200 and b["mode"] == "recompute", b
-                while await resp.content.readline() != b": parked\n":
-                    pass  # tokens streamed before the park
+                while (line := await resp.content.readline()) != b": parked\n":
+                    if not line:
+                        raise RuntimeError("the stream ended before the park")
                 t0 = time.perf_counter()
                 st, b, _ = await post_action(s, url, 0, "resume")
                 assert st == 200, b
-                while not (await resp.content.readline()).startswith(b"data: "):
-                    pass  # ": resumed", keep-alives, blank lines
+                while not (line := await resp.content.readline()).startswith(b"data: "):
+                    if not line:
+                        raise RuntimeError("the stream ended before the resume's first token")
                 resume_ms.append((time.perf_counter() - t0) * 1e3)
             async for line in resp.content:
                 event = json.loads(line[6:]) if line.startswith(b"data: ") else {}
