@@ -1,6 +1,6 @@
 """The disk tier against recompute: what a park to disk and a resume from it cost, beside a recompute resume.
 
-    python -m bench.disk_tier [--model smollm2|kvheavy] [--cells 1024,2048,...] [--repeat 3] [--dir DIR]
+    python -m bench.disk_tier [--model smollm2|kvheavy|bench] [--cells 1024,2048,...] [--repeat 3] [--dir DIR]
 
 First the disk's own sequential rates under DIR (dd, 1 GiB, O_DIRECT, fdatasync). Then one server with
 --park-ram 0 --park-disk DIR (no RAM for snapshots: every swap park is a file) parks and resumes a
@@ -112,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "kvheavy", "bench"])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--cells", default="1024,2048,4096,8192,16384,32768", help="request lengths to measure")
+    ap.add_argument("--cells", default="", help="request lengths (default: up to what the model's context takes)")
     ap.add_argument("--dir", default="/var/tmp", help="where the disk tier's directory goes (a local disk)")
     ap.add_argument("--out", default="", help="name of the table in bench/results/ (default disk_tier-MODEL)")
     args = ap.parse_args(argv)
-    cells = [int(c) for c in args.cells.split(",")]
+    # SmolLM2's context is 8192 tokens; the random-weight models' 32768
+    default = {"smollm2": "1024,2048,4096", "kvheavy": "1024,4096,16384"}.get(args.model, "1024,4096,16384,32000")
+    cells = [int(c) for c in (args.cells or default).split(",")]
     binary = build()
     gguf = model(args.model, binary)
     rows = []
