@@ -245,8 +245,8 @@ def render_status(status: Status, *, unicode: bool = True) -> str:
             lines.append("pinned: parked by hand, stays parked until resumed by hand; auto: parked by the server's net")
         if any(s.park_mode is not None for s in status.slots):
             lines.append(
-                "swap: its cells wait in host RAM; recompute: only its tokens are kept, evaluated again on resume "
-                "(re-evaluating)"
+                "swap: its cells wait in host RAM (on disk: in a file of the server's disk tier); recompute: only its "
+                "tokens are kept, evaluated again on resume (re-evaluating)"
             )
     else:
         lines.append("no slots (upstream down)" if status.pool is None else "no slots")

@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controller.admin.models import (
+    DiskView,
     ExitView,
     GpuDeviceView,
     LoopView,
@@ -343,7 +344,30 @@ def test_parked_slots_view() -> None:
     assert row(text, 4) == ["4", "prompt", "300", "1m 05s", "12", "1", "-", "0", "re-evaluating"]
     assert "-3->5" in render_status(parked(), unicode=False), "aged past priority_max_wait_s: counts as the top"
     assert text.splitlines()[-2].startswith("pinned: parked by hand")
-    assert text.splitlines()[-1].startswith("swap: its cells wait in host RAM; recompute:")
+    assert text.splitlines()[-1].startswith("swap: its cells wait in host RAM (on disk:")
+
+
+def test_the_disk_tier_shows_under_parked() -> None:
+    disk = DiskView(
+        dir="/var/lib/llama-server-park",
+        used_bytes=3 * GiB,
+        budget_bytes=8 * GiB,
+        files=2,
+        write_bytes_per_s=2 * GiB,
+        read_bytes_per_s=None,
+        fallbacks=1,
+    )
+    s = healthy(
+        pool=pool(n_parked=2, disk=disk),
+        slots=[slot(0, "parked", n_cells=1200, park_count=1, waited_s=2.0, park_mode="swap", park_tier="disk")],
+    )
+    text = render_status(s)
+    assert line(text, "on disk") == (
+        "on disk    3.0 GiB of 8.0 GiB in 2 files under /var/lib/llama-server-park  (write 2.0 GiB/s)"
+        "  1 recomputed after a disk error"
+    )
+    assert row(text, 0)[-1] == "swap on disk"
+    assert "on disk" not in render_status(healthy())
 
 
 def test_gpu_views() -> None:
