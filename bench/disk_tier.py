@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from bench.park_cost import long_request
+from bench.park_cost import first_token, long_request, measure_recompute
 from testkit.llama import post_action
 
 MiB = 1 << 20
@@ -54,13 +53,6 @@ def dd_rates(directory: Path, n_mib: int = 1024) -> tuple[float, float]:
     return write, read
 
 
-async def first_token(resp: aiohttp.ClientResponse) -> None:
-    """Read the stream up to its first token; an answer that is not a stream (an error) ends the bench."""
-    while not (line := await resp.content.readline()).startswith(b"data: "):
-        if not line:
-            raise RuntimeError(f"the request ended before its first token: HTTP {resp.status}")
-
-
 async def measure_disk(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], int]:
     park_ms, resume_ms, n_bytes = [], [], 0
     timeout = aiohttp.ClientTimeout(total=None)
@@ -78,34 +70,6 @@ async def measure_disk(url: str, n_cells: int, repeat: int) -> tuple[list[float]
                 await asyncio.sleep(0.05)
             resp.close()
     return park_ms, resume_ms, n_bytes
-
-
-async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], float]:
-    """Recompute resumes until the stream's next token (client side), and the server's mean re-evaluation time."""
-    resume_ms, reeval_ms = [], float("nan")
-    timeout = aiohttp.ClientTimeout(total=None)  # a CPU prefill of 32k tokens takes minutes
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=timeout) as s:
-        body = long_request(n_cells, stream=True, n_predict=20 * repeat + 20)
-        async with s.post(url + "/completion", json=body) as resp:
-            await first_token(resp)
-            for _ in range(repeat):
-                st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
-                assert st == 200 and b["mode"] == "recompute", b
-                while (line := await resp.content.readline()) != b": parked\n":
-                    if not line:
-                        raise RuntimeError("the stream ended before the park")
-                t0 = time.perf_counter()
-                st, b, _ = await post_action(s, url, 0, "resume")
-                assert st == 200, b
-                while not (line := await resp.content.readline()).startswith(b"data: "):
-                    if not line:
-                        raise RuntimeError("the stream ended before the resume's first token")
-                resume_ms.append((time.perf_counter() - t0) * 1e3)
-            async for line in resp.content:
-                event = json.loads(line[6:]) if line.startswith(b"data: ") else {}
-                if event.get("stop"):
-                    reeval_ms = event["timings"]["recompute_ms"] / repeat
-    return resume_ms, reeval_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             for n_cells in cells:
                 park, resume, n_bytes = asyncio.run(measure_disk(srv.url, n_cells, args.repeat))
                 rc_repeat = args.repeat if n_cells <= 4096 else 1
-                rc_resume, reeval = asyncio.run(measure_recompute(srv.url, n_cells, rc_repeat))
+                _, rc_resume, reeval, _ = asyncio.run(measure_recompute(srv.url, n_cells, rc_repeat, prefills=False))
                 p50_park, p50_resume, p50_rc = (
                     statistics.median(park),
                     statistics.median(resume),

@@ -52,9 +52,11 @@ def long_request(n_cells: int, **extra: object) -> dict[str, object]:
 
 
 async def first_token(resp: aiohttp.ClientResponse) -> None:
-    """Read the stream up to its first token: a ping or a notice can come first."""
-    while not (await resp.content.readline()).startswith(b"data: "):
-        pass
+    """Read the stream up to its first token: a ping or a notice can come first; a stream that ends first (an
+    error answer) ends the bench."""
+    while not (line := await resp.content.readline()).startswith(b"data: "):
+        if not line:
+            raise RuntimeError(f"the request ended before its first token: HTTP {resp.status}")
 
 
 async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], int]:
@@ -75,9 +77,11 @@ async def measure(url: str, n_cells: int, repeat: int) -> tuple[list[float], lis
     return park_ms, resume_ms, n_bytes
 
 
-async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[float], list[float], float, list[float]]:
+async def measure_recompute(
+    url: str, n_cells: int, repeat: int, prefills: bool = True
+) -> tuple[list[float], list[float], float, list[float]]:
     """Round trips of recompute parks, resumes until the next token (client side), the server's mean re-evaluation
-    time per resume (its timings.recompute_ms), and a prefill's prompt_ms of the same length."""
+    time per resume (its timings.recompute_ms), and (``prefills``) a prefill's prompt_ms of the same length."""
     park_ms, resume_ms, prefill_ms = [], [], []
     reeval_ms = float("nan")
     timeout = aiohttp.ClientTimeout(total=None)  # a CPU prefill of 16k tokens takes minutes
@@ -91,19 +95,19 @@ async def measure_recompute(url: str, n_cells: int, repeat: int) -> tuple[list[f
                 st, b, _ = await post_action(s, url, 0, "park", {"mode": "recompute"})
                 assert st == 200 and b["mode"] == "recompute", b
                 park_ms.append((time.perf_counter() - t0) * 1e3)
-                while await resp.content.readline() != b": parked\n":
-                    pass  # tokens streamed before the park
+                while (line := await resp.content.readline()) != b": parked\n":
+                    if not line:  # tokens streamed before the park, then the notice
+                        raise RuntimeError("the stream ended before the park")
                 t0 = time.perf_counter()
                 st, b, _ = await post_action(s, url, 0, "resume")
                 assert st == 200, b
-                while not (await resp.content.readline()).startswith(b"data: "):
-                    pass  # ": resumed", blank lines
+                await first_token(resp)  # ": resumed", keep-alives, blank lines
                 resume_ms.append((time.perf_counter() - t0) * 1e3)
             async for line in resp.content:
                 event = json.loads(line[6:]) if line.startswith(b"data: ") else {}
                 if event.get("stop"):
                     reeval_ms = event["timings"]["recompute_ms"] / repeat
-        for _ in range(repeat):
+        for _ in range(repeat if prefills else 0):
             async with s.post(url + "/completion", json=long_request(n_cells, n_predict=1)) as r:
                 prefill_ms.append((await r.json())["timings"]["prompt_ms"])
     return park_ms, resume_ms, reeval_ms, prefill_ms
