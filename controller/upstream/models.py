@@ -230,6 +230,8 @@ class ParkDisk(_Shape):
 class HostMemory(_Shape):
     """``/kv`` ``host_memory`` (patch 39): what the server takes and may take of host memory."""
 
+    model_config = ConfigDict(extra="ignore", frozen=True, protected_namespaces=())  # model_bytes is the server's
+
     model_bytes: int
     """The models' weights in host buffers (mapped from the file or loaded): all of them on a CPU build."""
     context_bytes: int

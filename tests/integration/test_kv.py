@@ -105,6 +105,7 @@ async def test_slots_fields_while_generating(start_server: ServerFactory, http: 
         "auto": False,
         "test": False,
         "copy": None,  # "save" or "load" while a sliced park or resume copies
+        "tier": None,  # "ram", "disk" or "none" (a recompute) while parked
     }
     assert slots[0]["state"] == "idle" and slots[0]["request_id"] is None
 
