@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.llama import (
+    StreamResult,
     parse_metrics,
     stream_completion,
 )
@@ -47,19 +48,25 @@ async def test_queue_overflow_is_503_with_retry_after(start_server: ServerFactor
     srv = start_server("-c", "8192", "-np", "2", "-kvu", "--slots", "--metrics", "--no-auto-park")
     async with running_app(srv.url, proxy={"queue_depth": 1}) as (app, url, _admin):
         assert app.proxy is not None
-        running = [asyncio.create_task(stream_completion(http, url, request(f"Busy {i}", 4000))) for i in range(2)]
+        running: list[asyncio.Task[StreamResult]] = []
         try:
             async with asyncio.timeout(120):
-                # both slots busy, as the control loop's last poll saw it (what admission reads): the gate holds new
-                # requests. Polling the server here instead raced that poll on a loaded machine: a stale snapshot
-                # admitted "Queued" into the server, and the queue was empty when "Overflow" came.
-                while (kv := app.loop.state.snapshot) is None or kv.n_slots_idle != 0:  # noqa: ASYNC110 - loop's view
-                    await asyncio.sleep(0.02)
+                # one slot busy, then both, as the control loop's last poll saw it (what admission reads): started
+                # one at a time, each once the loop has seen the one before (a CI run saw the second of two sent at
+                # once never reach the server). Polling the server instead raced the loop's poll on a loaded machine:
+                # a stale snapshot admitted "Queued" into the server, and the queue was empty when "Overflow" came.
+                for i in range(2):
+                    running.append(asyncio.create_task(stream_completion(http, url, request(f"Busy {i}", 4000))))
+                    while (kv := app.loop.state.snapshot) is None or kv.n_slots_idle != 1 - i:  # noqa: ASYNC110
+                        await asyncio.sleep(0.02)
                 queued = asyncio.create_task(stream_completion(http, url, request("Queued", 50)))
                 while app.proxy.queue.queued < 1:  # noqa: ASYNC110 - it waits in kvctl's queue, which is now full
                     await asyncio.sleep(0.02)
         except TimeoutError as e:  # say where it stood, not just that time ran out
-            raise AssertionError(f"snapshot {app.loop.state.snapshot}, queued {app.proxy.queue.queued}") from e
+            done = [t.result() if t.done() else None for t in running]
+            raise AssertionError(
+                f"snapshot {app.loop.state.snapshot}, queued {app.proxy.queue.queued}, requests {done}"
+            ) from e
         async with http.post(url + "/completion", json=request("Overflow", 50)) as resp:
             assert resp.status == 503 and resp.headers["Retry-After"] == "2"
             assert (await resp.json())["error"]["kvctl_code"] == "queue_full"
