@@ -21,7 +21,7 @@ from controller.loop.state import LoopState
 from controller.policy.types import Action, ActionKind, Reason
 from controller.settings import ParkTierChoice, UpstreamSettings
 from controller.upstream.client import UpstreamApiError, UpstreamError, UpstreamUnavailable
-from controller.upstream.models import ParkMode, ParkResult, ParkTier, ResumeResult, SlotState
+from controller.upstream.models import ParkMode, ParkResult, ParkTier, ResumeResult, Slot, SlotState
 
 __all__ = ["ASSUMED_COPY_BYTES_PER_S", "Actuator", "Outcome"]
 
@@ -87,10 +87,15 @@ class Actuator:
             work_s = COPY_SLOWDOWN * n_bytes / copy
         return min(max(up.timeout_s + work_s, up.action_timeout_min_s), up.action_timeout_max_s)
 
+    def _slot(self, slot_id: int) -> Slot | None:
+        """The slot as the last poll saw it; None when unknown."""
+        kv = self.state.snapshot
+        return next((s for s in kv.slots if s.id == slot_id), None) if kv is not None else None
+
     def action_bytes(self, slot_id: int) -> int:
         """The snapshot a park or resume of this slot copies, as the last poll saw it (0 when unknown)."""
         kv = self.state.snapshot
-        slot = next((s for s in kv.slots if s.id == slot_id), None) if kv is not None else None
+        slot = self._slot(slot_id)
         if kv is None or slot is None:
             return 0
         if slot.state is SlotState.PARKED:
@@ -184,8 +189,7 @@ class Actuator:
         return await self.calls.timed(call, timeout_s, action=True)
 
     def _parked_on_disk(self, slot_id: int) -> bool:
-        kv = self.state.snapshot
-        slot = next((s for s in kv.slots if s.id == slot_id), None) if kv is not None else None
+        slot = self._slot(slot_id)
         return slot is not None and slot.park.tier is ParkTier.DISK
 
     async def _resume(self, slot: int, id_task: int) -> ResumeResult:
