@@ -197,6 +197,12 @@ class Metrics:
             "recomputed): a disk that fails or fills up",
             registry=r,
         )
+        self.park_disk_spills = Gauge(
+            "kvctl_park_disk_spills",
+            "Parked snapshots the server moved from RAM to disk since it started, to give their RAM to a newer park of "
+            "a higher priority",
+            registry=r,
+        )
 
     def _start_at_zero(self) -> None:
         # the known label values start at 0, so that rate(), increase() and the alerts see the first failure

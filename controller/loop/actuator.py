@@ -68,24 +68,25 @@ class Actuator:
         # a proxy may end a request that cannot fit by closing its client's stream
         self._on_end = on_end
 
-    def action_timeout_s(self, n_bytes: int, disk: bool = False) -> float:
+    def action_timeout_s(self, n_bytes: int, disk: bool = False, spill_bytes: int = 0) -> float:
         """How long a park or resume of an n_bytes snapshot may take: it is answered once its copy is done, at the
         server's measured wall-clock rate (WALL_SLACK), else its copy rate (COPY_SLOWDOWN; 1 GB/s until measured);
-        to or from disk, at the slower of the disk tier's measured rates (WALL_SLACK; 100 MB/s until measured);
-        within upstream.action_timeout_min_s and action_timeout_max_s."""
+        to or from disk, at the slower of the disk tier's measured rates (WALL_SLACK; 100 MB/s until measured), as
+        are the spill_bytes a park to RAM waits for; within upstream.action_timeout_min_s and action_timeout_max_s."""
         up = self.settings
         kv = self.state.snapshot
         rates = kv.park_rates if kv is not None else None
         d = kv.park_disk if kv is not None else None
+        measured = [r for r in (d.write_bytes_per_s, d.read_bytes_per_s) if r] if d is not None else []
+        disk_s = WALL_SLACK * spill_bytes / min(measured, default=ASSUMED_DISK_BYTES_PER_S)
         if disk:
-            measured = [r for r in (d.write_bytes_per_s, d.read_bytes_per_s) if r] if d is not None else []
             work_s = WALL_SLACK * n_bytes / min(measured, default=ASSUMED_DISK_BYTES_PER_S)
         elif rates is not None and rates.wall_bytes_per_s:
             work_s = WALL_SLACK * n_bytes / rates.wall_bytes_per_s
         else:
             copy = (rates.copy_bytes_per_s if rates is not None else None) or ASSUMED_COPY_BYTES_PER_S
             work_s = COPY_SLOWDOWN * n_bytes / copy
-        return min(max(up.timeout_s + work_s, up.action_timeout_min_s), up.action_timeout_max_s)
+        return min(max(up.timeout_s + work_s + disk_s, up.action_timeout_min_s), up.action_timeout_max_s)
 
     def _slot(self, slot_id: int) -> Slot | None:
         """The slot as the last poll saw it; None when unknown."""
@@ -160,7 +161,7 @@ class Actuator:
         mode = self._wire_mode(a)
         tier = a.tier if a.tier is not None and a.tier in self._tiers() and mode is not None else None
         try:
-            return await self._park_call(a.slot, a.id_task, mode, tier)
+            return await self._park_call(a.slot, a.id_task, mode, tier, a.spill_bytes)
         except UpstreamApiError as e:
             kv = self.state.snapshot
             modes = kv.park_modes if kv is not None else None
@@ -182,9 +183,9 @@ class Actuator:
             return await self._park_call(a.slot, a.id_task, ParkMode.RECOMPUTE)
 
     async def _park_call(
-        self, slot: int, id_task: int, mode: ParkMode | None, tier: ParkTier | None = None
+        self, slot: int, id_task: int, mode: ParkMode | None, tier: ParkTier | None = None, spill_bytes: int = 0
     ) -> ParkResult:
-        timeout_s = self.action_timeout_s(self.action_bytes(slot), disk=tier is ParkTier.DISK)
+        timeout_s = self.action_timeout_s(self.action_bytes(slot), disk=tier is ParkTier.DISK, spill_bytes=spill_bytes)
         call = self.calls.client.park(slot, id_task, mode, timeout_s=timeout_s, tier=tier)
         return await self.calls.timed(call, timeout_s, action=True)
 

@@ -122,6 +122,7 @@ class Recorder:
         m.park_disk_rate.labels(direction="write").set((d.write_bytes_per_s or 0) if d is not None else 0)
         m.park_disk_rate.labels(direction="read").set((d.read_bytes_per_s or 0) if d is not None else 0)
         m.park_disk_fallbacks.set(d.fallbacks if d is not None else 0)
+        m.park_disk_spills.set((d.spills or 0) if d is not None else 0)
         self._host_memory(kv)
         m.pinned_requests.set(sum(1 for h in self.state.history.values() if h.pinned))
         if self.state.host is not None:

@@ -53,7 +53,10 @@ class ParkChoice:
     tier: ParkTier | None = None
     """Where its cells go, on a server with tiers."""
     disk_bytes: int = 0
-    """Disk it takes: a swap to disk's file."""
+    """Disk it takes: a swap to disk's file, or the files of the snapshots it spills."""
+    spilled: tuple[Slot, ...] = ()
+    """RAM-parked snapshots the server moves to disk to make room for it (ModeReason.SPILL)."""
+    spill_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -79,6 +82,8 @@ class _Plan:
     """Effective priorities by slot id (effective_priorities())."""
     queued: int | None
     """The queued head's effective priority; None: nobody waits in kvctl's queue."""
+    spilled: set[int] = field(default_factory=set)
+    """Slots whose snapshots this plan's parks move from RAM to disk."""
     actions: list[Action] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
 
@@ -167,12 +172,17 @@ class _Plan:
         n_bytes = snapshot_bytes(slot, kv)
         why, skip = ModeReason.RECOMPUTE_ONLY, SkipReason.PARKING_OFF
         if ram:
-            if n_bytes > self.budget_left:
+            spill = self.spill_for(slot, n_bytes) if pick is ParkTierChoice.AUTO else None
+            freed = sum(s.park.bytes for s in spill or ())
+            if n_bytes > self.budget_left + freed:
                 why, skip = ModeReason.BUDGET, SkipReason.BUDGET
-            elif n_bytes > self.host_left:
+            elif n_bytes > self.host_left + freed:
                 why, skip = ModeReason.HOST_RAM, SkipReason.HOST_RAM
             elif recompute and recompute_cheaper(slot.cells, n_bytes, kv.park_rates):
                 return ParkChoice(ParkMode.RECOMPUTE, ModeReason.CHEAPER, tier=none)
+            elif spill:
+                files = freed + DISK_FILE_HEADER * len(spill)
+                return ParkChoice(ParkMode.SWAP, ModeReason.SPILL, n_bytes, ParkTier.RAM, files, tuple(spill), freed)
             else:
                 return ParkChoice(ParkMode.SWAP, ModeReason.FITS, n_bytes, ParkTier.RAM if tiers is not None else None)
         if disk:
@@ -184,12 +194,44 @@ class _Plan:
                 return ParkChoice(ParkMode.SWAP, ModeReason.DISK, 0, ParkTier.DISK, n_bytes + DISK_FILE_HEADER)
         return ParkChoice(ParkMode.RECOMPUTE, why, tier=none) if recompute else skip
 
+    def spill_for(self, slot: Slot, n_bytes: int) -> list[Slot] | None:
+        """The RAM-parked snapshots the server moves to disk for this victim's park when RAM is short (patch 40): of a
+        lower priority than the victim's own (the server resumes them after it), the lowest and newest first, as many
+        as the shortfall needs; None when nothing moves: RAM suffices, the server does not move snapshots, or they
+        would not make room on the disk and in RAM."""
+        kv = self.inp.kv
+        short = n_bytes - min(self.budget_left, self.host_left)
+        if short <= 0 or kv.park_disk is None or kv.park_disk.spills is None or self.disk_left <= 0:
+            return None
+        mine = slot.priority or 0
+        later = [
+            s
+            for s in self.slots
+            if s.state is SlotState.PARKED
+            and s.park.tier is ParkTier.RAM
+            and s.id not in self.spilled
+            and (s.priority or 0) < mine
+        ]
+        later.sort(key=lambda s: (s.priority or 0, -(s.park.parked_since_ms or 0)))
+        out: list[Slot] = []
+        freed, disk = 0, self.disk_left
+        for s in later:
+            if freed >= short:
+                break
+            disk -= s.park.bytes + DISK_FILE_HEADER
+            if disk < 0:
+                return None
+            out.append(s)
+            freed += s.park.bytes
+        return out if freed >= short else None
+
     def park_until(
         self, done: Callable[[], bool], reason: Reason, *, all_or_nothing: bool, at_most: int | None = None
     ) -> bool:
         """Park victims in order until ``done()``, only those of effective priority ``at_most`` or lower when given.
         With ``all_or_nothing``, nothing is planned unless it gets there."""
         saved = (replace(self.pool), self.budget_left, self.host_left, self.disk_left, list(self.residents))
+        spilled = set(self.spilled)
         planned: list[Action] = []
         skips: list[Skip] = []
         for slot in self.victims():
@@ -207,9 +249,10 @@ class _Plan:
                 continue
             self.pool.remove(slot)
             self.residents.remove(slot)
-            self.budget_left -= choice.n_bytes  # only a swap to RAM holds host RAM
-            self.host_left -= choice.n_bytes
+            self.budget_left -= choice.n_bytes - choice.spill_bytes  # only a swap to RAM holds host RAM
+            self.host_left -= choice.n_bytes - choice.spill_bytes
             self.disk_left -= choice.disk_bytes
+            self.spilled.update(s.id for s in choice.spilled)
             planned.append(
                 Action(
                     ActionKind.PARK,
@@ -223,10 +266,12 @@ class _Plan:
                     mode_reason=choice.why,
                     tier=choice.tier,
                     priority=slot.priority or 0,
+                    spill_bytes=choice.spill_bytes,
                 )
             )
         if all_or_nothing and not done():
             self.pool, self.budget_left, self.host_left, self.disk_left, self.residents = saved
+            self.spilled = spilled
             return False
         self.skipped.extend(skips)
         self.actions.extend(planned)

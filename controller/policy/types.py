@@ -58,6 +58,9 @@ class ModeReason(StrEnum):
     file fits the disk budget, and reading it back is not slower than evaluating the tokens again (or unmeasured)."""
     DISK_BUDGET = "disk_budget"
     """recompute: host RAM cannot hold the snapshot and the file exceeds what is left of the server's disk budget."""
+    SPILL = "spill"
+    """swap to RAM: the snapshot fits once the server moves parked snapshots of a lower priority from RAM to disk
+    (they resume after it); the park waits for that move."""
 
 
 class SkipReason(StrEnum):
@@ -205,6 +208,8 @@ class Action:
     """For a park on a server with tiers: where its cells go (none: a recompute); None: a server without tiers."""
     priority: int = 0
     """The request's own priority (its metrics class); the policy ordered by its effective priority."""
+    spill_bytes: int = 0
+    """For a park to RAM (ModeReason.SPILL): the bytes of the snapshots the server moves to disk first."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -221,6 +221,9 @@ class ParkDisk(_Shape):
     """Snapshots read back whole since the server started."""
     fallbacks: int = 0
     """Snapshots that could not be written or read back: their requests were recomputed."""
+    spills: int | None = None
+    """Snapshots moved from RAM to disk for a newer park of a higher priority (patch 40); None: a server that does not
+    move them."""
     write_bytes_per_s: float | None = None
     """Park to disk, from its start until the file is written back (moving average); None: not measured yet."""
     read_bytes_per_s: float | None = None

@@ -94,3 +94,59 @@ def test_snapshots_on_disk_leave_the_ram_budget_alone() -> None:
     snapshot = kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=DISK, budget=4700)
     assert snapshot.parked_bytes == 3000 and ram_parked_bytes(snapshot) == 0
     assert parks(snapshot) == [(ParkMode.SWAP, ModeReason.FITS, ParkTier.RAM)]
+
+
+SPILL_DISK = DISK.model_copy(update={"spills": 0})  # a server that moves RAM snapshots to disk (patch 40)
+
+
+def spill_snap(parked: S, disk: ParkDisk = SPILL_DISK, budget: int = 5000) -> KvSnapshot:
+    """Slot 1 (priority 5, a 4700-byte snapshot) is the victim; RAM holds 2000 more bytes beside parked's 3000."""
+    slots = [
+        S("generating", 500, t_arrival_ms=1, priority=5),
+        S("generating", 460, t_arrival_ms=2, snapshot_bytes=4700, priority=5),
+        parked,
+    ]
+    return kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=disk, budget=budget)  # type: ignore[arg-type]
+
+
+def test_ram_short_moves_a_lower_priority_snapshot_to_disk() -> None:
+    low = S("parked", 300, parked_since_ms=NOW, priority=1)
+    d = decide(PolicyInput(kv=spill_snap(low), now_ms=NOW), CFG)
+    [a] = d.parks
+    assert (a.slot, a.mode, a.mode_reason, a.tier) == (1, ParkMode.SWAP, ModeReason.SPILL, ParkTier.RAM)
+    assert a.n_bytes == 4700 and a.spill_bytes == 3000
+    # the server resumes an equal priority's older park first: the victim is the one to resume last, and goes to disk
+    equal = S("parked", 300, parked_since_ms=NOW, priority=5)
+    assert parks(spill_snap(equal)) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+    # on disk already, nothing to move
+    on_disk = S("parked", 300, parked_since_ms=NOW, priority=1, tier=ParkTier.DISK)
+    assert parks(spill_snap(on_disk, budget=2000)) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+
+
+def test_no_spill_where_it_cannot_make_room() -> None:
+    low = S("parked", 300, parked_since_ms=NOW, priority=1)
+    # a server that does not move snapshots
+    assert parks(spill_snap(low, disk=DISK)) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+    # moving it would not free enough: 1000 + 3000 < 4700
+    assert parks(spill_snap(low, budget=4000)) == [(ParkMode.SWAP, ModeReason.DISK, ParkTier.DISK)]
+    # the disk cannot take its file, nor the victim's
+    small = SPILL_DISK.model_copy(update={"budget_bytes": 3000 + 4095})
+    assert parks(spill_snap(low, disk=small)) == [(ParkMode.RECOMPUTE, ModeReason.DISK_BUDGET, ParkTier.NONE)]
+    # a pinned tier leaves the choice to the operator
+    assert parks(spill_snap(low), replace(CFG, park_tier=ParkTierChoice.RAM)) == [
+        (ParkMode.RECOMPUTE, ModeReason.BUDGET, ParkTier.NONE)
+    ]
+
+
+def test_one_snapshot_moves_for_one_park() -> None:
+    # two victims of priority 5 (4700 bytes each) and one 3000-byte snapshot of priority 1 in RAM, 2000 bytes left:
+    # the first takes the move, the second goes to disk
+    slots = [
+        S("generating", 400, t_arrival_ms=1, priority=5),
+        S("generating", 300, t_arrival_ms=2, snapshot_bytes=4700, priority=5),
+        S("generating", 260, t_arrival_ms=3, snapshot_bytes=4700, priority=5),
+        S("parked", 300, parked_since_ms=NOW, priority=1),
+    ]
+    snapshot = kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=SPILL_DISK, budget=5000)
+    d = decide(PolicyInput(kv=snapshot, now_ms=NOW), replace(CFG, high=0.5, low=0.3))
+    assert [(a.mode_reason, a.spill_bytes) for a in d.parks] == [(ModeReason.SPILL, 3000), (ModeReason.DISK, 0)]
