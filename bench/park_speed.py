@@ -28,6 +28,9 @@ contiguous cells. When stream 0 holds a snapshot of each size, it is parked and 
 of it: the snapshot is one contiguous run of cells, the layout a long prompt leaves.
 --slices runs the whole table for each --park-slice (0: a park copies at once, as before slicing);
 --pinned off adds --no-park-pinned (pageable arena on a CUDA build; the CPU has no pinned memory).
+--tier disk parks to a --park-disk directory under --disk-dir instead (--park-ram 0): its "arena" column says
+disk, park GB/s is the copy into the file's mapping (its write-back follows on a worker thread, within
+park_ms), resume GB/s the copy back once a worker has read the file against its checksum (within resume_ms).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import asyncio
 import itertools
 import shlex
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,14 +156,14 @@ async def wait_kv(session: aiohttp.ClientSession, url: str, done: Callable[[dict
 
 
 async def park_and_resume(
-    session: aiohttp.ClientSession, url: str, streams: Streams
+    session: aiohttp.ClientSession, url: str, streams: Streams, tier: str = "ram"
 ) -> tuple[dict[str, Any], dict[str, Any], list[float], list[float]]:
-    """Park and resume stream 0; the other streams' gaps before (as long a window) and during it."""
+    """Park (to tier) and resume stream 0; the other streams' gaps before (as long a window) and during it."""
     others = streams.arrivals[1:]
     n_before = len(streams.arrivals[0])
     t_park = time.perf_counter()
-    st, park, _ = await post_action(session, url, 0, "park", {"mode": "swap"})
-    assert st == 200, park
+    st, park, _ = await post_action(session, url, 0, "park", {"mode": "swap", "tier": tier})
+    assert st == 200 and park["tier"] == tier, park
     st, resume, _ = await post_action(session, url, 0, "resume")
     assert st == 200, resume
     while len(streams.arrivals[0]) <= n_before:  # noqa: ASYNC110 - stream 0's next token ends the park
@@ -192,6 +196,7 @@ async def measure(
     prompt_mib: int = 0,
     long: str = "all",
     with_rss: bool = True,
+    tier: str = "ram",
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
@@ -207,7 +212,7 @@ async def measure(
             # the first park grows the arena (its pages are faulted in as the copy writes them), the next ones
             # reuse it, as every park does within --park-arena-keep of the last: their best speed on this shared
             # machine, and every park's stall
-            runs = [await park_and_resume(session, url, streams) for _ in range(1 + REUSED)]
+            runs = [await park_and_resume(session, url, streams, tier) for _ in range(1 + REUSED)]
             park0 = runs[0][0]
             n_bytes = runs[1][0]["n_bytes"]
             park = min((r[0] for r in runs[1:]), key=lambda a: a["timings"]["copy_ms"])
@@ -275,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rss", default="on", choices=["on", "off"], help="measure the arena's RSS given back")
     ap.add_argument("--long", default="all", choices=["all", "one"], help="which streams get --prompt-mib")
+    ap.add_argument("--tier", default="ram", help="ram,disk: where the parks go (disk: --park-ram 0, no RSS table)")
+    ap.add_argument("--disk-dir", default="/var/tmp", help="where --tier disk puts the server's --park-disk")
     ap.add_argument("--out", default="park_speed", help="bench/results/OUT.md")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -290,17 +297,27 @@ def main(argv: list[str] | None = None) -> int:
     rss_rows: list[tuple[object, ...]] = []
     combos = [(f, c) for f in args.fa.split(",") for c in args.cache.split(",") if not (f == "off" and c == "q8_0")]
     runs = [(f, c, sl, p) for f, c in combos for sl in args.slices.split(",") for p in args.pinned.split(",")]
-    runs_g = [(*r, g, pm) for r in runs for g, pm in groups]
+    runs_g = [(*r, g, pm, t) for r in runs for g, pm in groups for t in args.tier.split(",")]
     spec = SIZES[args.model]
-    for fa, cache, sl, pin, group, prompt_mib in runs_g:
+    for fa, cache, sl, pin, group, prompt_mib, tier in runs_g:
         cb = cell_bytes(args.model, cache)
         n_ctx = 4 * (max(group) * 1024**2 // cb + 256)
         argv_srv = ["-c", str(n_ctx), "-np", "4", "-kvu", "--slots", "-fa", fa, "-ctk", cache, "-ctv", cache]
-        argv_srv += ["--park-slice", sl, "--park-ram", str(2 * max(sizes) + 256), "--park-arena-keep", str(KEEP_S)]
+        ram = str(2 * max(sizes) + 256) if tier == "ram" else "0"
+        argv_srv += ["--park-slice", sl, "--park-ram", ram, "--park-arena-keep", str(KEEP_S)]
         argv_srv += [*shlex.split(args.server_args), *([] if pin == "on" else ["--no-park-pinned"])]
-        with server(binary, gguf, *argv_srv) as srv:
+        with (
+            tempfile.TemporaryDirectory(prefix="kvctl-park-", dir=args.disk_dir) as disk_dir,
+            server(
+                binary,
+                gguf,
+                *argv_srv,
+                *(["--park-disk", disk_dir, "--park-disk-mib", str(2 * max(sizes) + 256)] if tier == "disk" else []),
+            ) as srv,
+        ):
             assert srv.proc is not None
-            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, group, cb, prompt_mib, args.long, args.rss == "on"))
+            with_rss = args.rss == "on" and tier == "ram"
+            res, rss = asyncio.run(measure(srv.url, srv.proc.pid, group, cb, prompt_mib, args.long, with_rss, tier))
         mc_big, mc_small = memcpy_gbps(big), memcpy_gbps(16 * 1024**2)
         width = spec.n_head_kv * spec.head_dim
         el = 2 if cache == "f16" else 4
@@ -310,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = layout_gbps(
             fa, layout_bytes, row if row % el == 0 else width * el, el, spec.n_layer, width, n_ctx, streams
         )
-        arena = "pinned" if rss["pinned"] else "pageable"
+        arena = "disk" if tier == "disk" else "pinned" if rss["pinned"] else "pageable"
         if "after" in rss:  # measured (--rss on)
             ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
             rss_rows.append((fa, cache, sl, arena, rss["before"], rss["arena"], rss["after"], ok))

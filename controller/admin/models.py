@@ -25,7 +25,7 @@ __all__ = [
     "UpstreamView",
 ]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """2: added ``degraded``, ``uptime_s``, ``upstream.state``, the pool's ``parked_budget_bytes`` and
 ``above_high_s``, the slots' ``age_s`` and ``n_decoded``, ``host_total_bytes`` and ``gpu_devices``.
 3: added the slots' ``park_mode`` and ``recomputing``. 4: added the slots' ``priority`` and
@@ -33,7 +33,7 @@ SCHEMA_VERSION = 8
 ``failed`` state (also ``upstream.state``), its ``early_exits``, ``failed_after`` and ``failure``, and the last
 exit's ``signal`` and ``log_tail``; the supervisor's ``pid`` is null once the server has exited. 7: added the
 supervisor's ``argv`` (a planned restart may change it). 8: added the pool's ``disk`` (the server's disk tier;
-``parked_bytes`` is host RAM only) and the slots' ``park_tier``."""
+``parked_bytes`` is host RAM only) and the slots' ``park_tier``. 9: added the disk tier's ``spills``."""
 
 
 class _Model(BaseModel):
@@ -133,6 +133,9 @@ class DiskView(_Model):
     read_bytes_per_s: float | None
     fallbacks: int
     """Snapshot files the server could not write or read back whole since it started (recomputed instead)."""
+    spills: int | None = None
+    """Snapshots the server moved from RAM to disk for a newer park of a higher priority since it started; None: a
+    server that does not move them."""
 
 
 class SlotView(_Model):

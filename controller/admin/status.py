@@ -138,6 +138,7 @@ def _pool_view(kv: KvSnapshot, state: LoopState, config: PolicyConfig, above_hig
             write_bytes_per_s=kv.park_disk.write_bytes_per_s,
             read_bytes_per_s=kv.park_disk.read_bytes_per_s,
             fallbacks=kv.park_disk.fallbacks,
+            spills=kv.park_disk.spills,
         ),
     )
 

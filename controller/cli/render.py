@@ -160,6 +160,7 @@ def _disk_lines(pool: PoolView) -> list[tuple[str, str]]:
         if rate
     ]
     text += f"  ({', '.join(rates)})" if rates else ""
+    text += f"  {d.spills} moved from RAM" if d.spills else ""
     text += f"  {d.fallbacks} recomputed after a disk error" if d.fallbacks else ""
     return [("on disk", text)]
 

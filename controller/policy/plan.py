@@ -334,6 +334,8 @@ def _waiting(plan: _Plan) -> list[Slot]:
             continue
         if plan.history(slot).pinned:
             plan.skip(ActionKind.RESUME, slot, SkipReason.PINNED)
+        elif slot.park.copying is not None:
+            plan.skip(ActionKind.RESUME, slot, SkipReason.MOVING)
         else:
             waiting.append(slot)
     return waiting

@@ -86,6 +86,9 @@ class SkipReason(StrEnum):
     """park: its priority is above what the park is for; restore: a request of higher priority waits first."""
     AWAIT_EMPTY_POOL = "await_empty_pool"
     """cannot fit the pool even alone; ended once nothing else is resident."""
+    MOVING = "moving"
+    """restore: its snapshot is being copied (a park's copy not yet done, or a spill from RAM to disk); the server
+    answers a resume 409 until that ends, a moment later."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "ErrorBody",
@@ -143,6 +143,8 @@ class ParkRates(_Shape):
 
 
 class ParkInfo(_Shape):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
     count: int
     bytes: int
     n_cells: int | None = None
@@ -157,6 +159,9 @@ class ParkInfo(_Shape):
     """Resumed by recompute and evaluating its tokens again (state ``prompt``)."""
     tier: _Tier = None
     """Parked: where its cells are; None when not parked, or from a server without a disk tier (then RAM for a swap)."""
+    copying: str | None = Field(default=None, alias="copy")
+    """``copy``: a copy of its snapshot in progress: "save" (a sliced park, a file being written back, a spill from RAM
+    to disk) or "load" (a resume); None: none, or an older server."""
     snapshot_bytes: int | None = None
     """Generating: the exact host bytes a swap park of it would take now (n_cells x bytes_per_cell underestimates
     hybrid and iSWA models); swap-parked: the bytes it holds; recompute-parked: 0; otherwise, or from an older

@@ -280,12 +280,19 @@ def panels() -> list[Panel]:
             "Parked on disk",
             "Snapshot files on the server's disk tier (--park-disk) against its budget (--park-disk-mib), and "
             "snapshots the server could not write or read back whole since it started (their requests were "
-            "recomputed: a disk that fails or fills up).",
-            ["kvctl_park_disk_used_bytes", "kvctl_park_disk_budget_bytes", "kvctl_park_disk_fallbacks"],
+            "recomputed: a disk that fails or fills up), and those it moved from RAM to disk to give their RAM to "
+            "a newer park of a higher priority (spills).",
+            [
+                "kvctl_park_disk_used_bytes",
+                "kvctl_park_disk_budget_bytes",
+                "kvctl_park_disk_fallbacks",
+                "kvctl_park_disk_spills",
+            ],
             [
                 (f"kvctl_park_disk_used_bytes{{{R}}}", "{{replica}} on disk"),
                 (f"kvctl_park_disk_budget_bytes{{{R}}}", "{{replica}} budget"),
                 (f"kvctl_park_disk_fallbacks{{{R}}} * 1048576", "{{replica}} fallbacks (x 1 MiB)"),
+                (f"kvctl_park_disk_spills{{{R}}} * 1048576", "{{replica}} spills (x 1 MiB)"),
             ],
             "bytes",
             overrides=[dashed("budget$", "red")],

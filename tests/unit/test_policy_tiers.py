@@ -6,9 +6,9 @@ from dataclasses import replace
 
 from controller.policy.plan import decide
 from controller.policy.pool import ram_parked_bytes
-from controller.policy.types import ModeReason, PolicyConfig, PolicyInput
+from controller.policy.types import ActionKind, ModeReason, PolicyConfig, PolicyInput, SkipReason
 from controller.settings import ParkTierChoice
-from controller.upstream.models import KvSnapshot, ParkDisk, ParkMode, ParkRates, ParkTier
+from controller.upstream.models import KvSnapshot, ParkDisk, ParkInfo, ParkMode, ParkRates, ParkTier
 from testkit.snapshots import S, kv
 from tests.harness import BOTH
 from tests.harness import POLICY_NOW as NOW
@@ -150,3 +150,18 @@ def test_one_snapshot_moves_for_one_park() -> None:
     snapshot = kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=SPILL_DISK, budget=5000)
     d = decide(PolicyInput(kv=snapshot, now_ms=NOW), replace(CFG, high=0.5, low=0.3))
     assert [(a.mode_reason, a.spill_bytes) for a in d.parks] == [(ModeReason.SPILL, 3000), (ModeReason.DISK, 0)]
+
+
+def test_a_snapshot_being_moved_is_restored_once_the_move_ends() -> None:
+    slots = [S("generating", 200, t_arrival_ms=1), S("parked", 300, parked_since_ms=NOW - 1000, priority=1)]
+    snapshot = kv(1000, slots, bytes_per_cell=10, park_modes=BOTH, disk=SPILL_DISK, budget=5000)
+    d = decide(PolicyInput(kv=snapshot, now_ms=NOW), CFG)
+    assert [a.slot for a in d.actions] == [1]  # room to spare: restored
+    parked = snapshot.slots[1]
+    raw = {**parked.park.model_dump(), "copy": "save"}  # as /slots says it while a spill writes it to disk
+    moving = parked.model_copy(update={"park": ParkInfo.model_validate(raw)})
+    assert moving.park.copying == "save"
+    d = decide(PolicyInput(kv=snapshot.model_copy(update={"slots": [snapshot.slots[0], moving]}), now_ms=NOW), CFG)
+    assert d.actions == () and (ActionKind.RESUME, 1, SkipReason.MOVING) in [
+        (s.kind, s.slot, s.reason) for s in d.skipped
+    ]

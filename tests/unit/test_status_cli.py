@@ -356,6 +356,7 @@ def test_the_disk_tier_shows_under_parked() -> None:
         write_bytes_per_s=2 * GiB,
         read_bytes_per_s=None,
         fallbacks=1,
+        spills=3,
     )
     s = healthy(
         pool=pool(n_parked=2, disk=disk),
@@ -364,7 +365,7 @@ def test_the_disk_tier_shows_under_parked() -> None:
     text = render_status(s)
     assert line(text, "on disk") == (
         "on disk    3.0 GiB of 8.0 GiB in 2 files under /var/lib/llama-server-park  (write 2.0 GiB/s)"
-        "  1 recomputed after a disk error"
+        "  3 moved from RAM  1 recomputed after a disk error"
     )
     assert row(text, 0)[-1] == "swap on disk"
     assert "on disk" not in render_status(healthy())
