@@ -370,7 +370,8 @@ class PolicySettings(_Group):
     park_tier: ParkTierChoice = ParkTierChoice.AUTO
     """Where a victim's cells go: `auto` (default) chooses per victim between host RAM, the server's disk tier
     (`--park-disk`) and recompute by which resumes soonest at the rates the server measured (copy, disk and prefill),
-    so a short request recomputes and a long one goes to RAM or disk; `ram`, `disk` or `recompute` pin it, each
+    so a short request recomputes and a long one goes to RAM or disk, and RAM short for a victim goes to it if the
+    server can move parked snapshots of a lower priority to disk first; `ram`, `disk` or `recompute` pin it, each
     falling back to recompute when it cannot hold the snapshot. Without a disk tier on the server, `disk` parks by
     recompute."""
 
