@@ -116,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dd under {args.dir}: write {dd_write:.2f} GB/s, read {dd_read:.2f} GB/s (O_DIRECT, 1 GiB)")
         fs = subprocess.run(["df", "--output=source,fstype", str(directory)], capture_output=True, text=True).stdout
         n_ctx = str(max(cells) + 512)
-        args_srv = ("-c", n_ctx, "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048")
-        disk = ("--park-ram", "0", "--park-disk", str(directory), "--park-disk-mib", "16384")
+        args_srv: tuple[str, ...] = ("-c", n_ctx, "-np", "1", "-kvu", "--slots", "-fa", "on", "-b", "2048")
+        if args.model == "smollm2" and max(cells) > 8192:
+            # past its training context, which the server caps a slot to: the text degrades, the cost does not
+            args_srv += ("--override-kv", f"llama.context_length=int:{n_ctx}")
+        # --park-lease 0: a park of gigabytes outlasts the lease, and the server would resume it on its own
+        disk = ("--park-ram", "0", "--park-disk", str(directory), "--park-disk-mib", "16384", "--park-lease", "0")
         with server(binary, gguf, *args_srv, *disk) as srv:
             for n_cells in cells:
                 rc_repeat = args.repeat if n_cells <= 4096 else 1
