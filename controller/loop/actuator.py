@@ -78,9 +78,10 @@ class Actuator:
         rates = kv.park_rates if kv is not None else None
         d = kv.park_disk if kv is not None else None
         measured = [r for r in (d.write_bytes_per_s, d.read_bytes_per_s) if r] if d is not None else []
-        disk_s = WALL_SLACK * spill_bytes / min(measured, default=ASSUMED_DISK_BYTES_PER_S)
+        disk_rate = min(measured, default=ASSUMED_DISK_BYTES_PER_S)
+        disk_s = WALL_SLACK * spill_bytes / disk_rate
         if disk:
-            work_s = WALL_SLACK * n_bytes / min(measured, default=ASSUMED_DISK_BYTES_PER_S)
+            work_s = WALL_SLACK * n_bytes / disk_rate
         elif rates is not None and rates.wall_bytes_per_s:
             work_s = WALL_SLACK * n_bytes / rates.wall_bytes_per_s
         else:

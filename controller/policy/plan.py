@@ -56,7 +56,11 @@ class ParkChoice:
     """Disk it takes: a swap to disk's file, or the files of the snapshots it spills."""
     spilled: tuple[Slot, ...] = ()
     """RAM-parked snapshots the server moves to disk to make room for it (ModeReason.SPILL)."""
-    spill_bytes: int = 0
+
+    @property
+    def spill_bytes(self) -> int:
+        """The host RAM the spilled snapshots give back."""
+        return sum(s.park.bytes for s in self.spilled)
 
 
 @dataclass(slots=True)
@@ -182,7 +186,7 @@ class _Plan:
                 return ParkChoice(ParkMode.RECOMPUTE, ModeReason.CHEAPER, tier=none)
             elif spill:
                 files = freed + DISK_FILE_HEADER * len(spill)
-                return ParkChoice(ParkMode.SWAP, ModeReason.SPILL, n_bytes, ParkTier.RAM, files, tuple(spill), freed)
+                return ParkChoice(ParkMode.SWAP, ModeReason.SPILL, n_bytes, ParkTier.RAM, files, tuple(spill))
             else:
                 return ParkChoice(ParkMode.SWAP, ModeReason.FITS, n_bytes, ParkTier.RAM if tiers is not None else None)
         if disk:
