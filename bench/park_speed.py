@@ -1,7 +1,7 @@
 """Park and resume at memory speed, and what a park costs the other streams (issue 17).
 
     python -m bench.park_speed [--sizes 16,64,256,1024] [--slices 16M,0] [--fa on,off] [--cache f32,q8_0]
-                               [--model kvheavy|kv64] [--prompt-mib N] [--long all|one] [--pinned on]
+                               [--model kvheavy|kv64] [--prompt-mib N] [--long all|one] [--pinned on] [--threads 1,2]
                                [--server-args "-ngl 99"] [--out park_speed]
 
 Model "kvheavy" (32 layers x 16 KV heads x 128, f32 cache: 512 KiB a cell) or "kv64" (64 layers x 64 KV
@@ -27,6 +27,7 @@ contiguous cells. When stream 0 holds a snapshot of each size, it is parked and 
 --prompt-mib auto (with --long one) runs each size on its own server, stream 0's prompt holding all but 1 MiB
 of it: the snapshot is one contiguous run of cells, the layout a long prompt leaves.
 --slices runs the whole table for each --park-slice (0: a park copies at once, as before slicing);
+--threads for each --park-threads (the threads a copy of host memory runs on; 1: the server loop's only);
 --pinned off adds --no-park-pinned (pageable arena on a CUDA build; the CPU has no pinned memory).
 --tier disk parks to a --park-disk directory under --disk-dir instead (--park-ram 0): its "arena" column says
 disk, park GB/s is the copy into the file's mapping (its write-back follows on a worker thread, within
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,64,256,1024", help="snapshot sizes in MiB")
     ap.add_argument("--slices", default="16M,0", help="--park-slice values to compare")
+    ap.add_argument("--threads", default="2", help="--park-threads values to compare")
     ap.add_argument("--fa", default="on,off", help="flash attention modes (off: V is stored transposed)")
     ap.add_argument("--cache", default="f32", help="KV cache types (-ctk/-ctv), e.g. f32,f16,q8_0 (q8_0: -fa on only)")
     ap.add_argument("--model", default="kvheavy", choices=["kvheavy", "kv64"], help="the random model")
@@ -297,14 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     rss_rows: list[tuple[object, ...]] = []
     combos = [(f, c) for f in args.fa.split(",") for c in args.cache.split(",") if not (f == "off" and c == "q8_0")]
     runs = [(f, c, sl, p) for f, c in combos for sl in args.slices.split(",") for p in args.pinned.split(",")]
-    runs_g = [(*r, g, pm, t) for r in runs for g, pm in groups for t in args.tier.split(",")]
+    runs_g = [
+        (*r, g, pm, t, n)
+        for r in runs
+        for g, pm in groups
+        for t in args.tier.split(",")
+        for n in args.threads.split(",")
+    ]
     spec = SIZES[args.model]
-    for fa, cache, sl, pin, group, prompt_mib, tier in runs_g:
+    for fa, cache, sl, pin, group, prompt_mib, tier, n_thr in runs_g:
         cb = cell_bytes(args.model, cache)
         n_ctx = 4 * (max(group) * 1024**2 // cb + 256)
         argv_srv = ["-c", str(n_ctx), "-np", "4", "-kvu", "--slots", "-fa", fa, "-ctk", cache, "-ctv", cache]
         ram = str(2 * max(sizes) + 256) if tier == "ram" else "0"
-        argv_srv += ["--park-slice", sl, "--park-ram", ram, "--park-arena-keep", str(KEEP_S)]
+        argv_srv += ["--park-slice", sl, "--park-threads", n_thr, "--park-ram", ram, "--park-arena-keep", str(KEEP_S)]
         argv_srv += [*shlex.split(args.server_args), *([] if pin == "on" else ["--no-park-pinned"])]
         with (
             tempfile.TemporaryDirectory(prefix="kvctl-park-", dir=args.disk_dir) as disk_dir,
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         arena = "disk" if tier == "disk" else "pinned" if rss["pinned"] else "pageable"
         if "after" in rss:  # measured (--rss on)
             ok = "yes" if rss["after"] <= 1.05 * rss["before"] else "no"
-            rss_rows.append((fa, cache, sl, arena, rss["before"], rss["arena"], rss["after"], ok))
+            rss_rows.append((fa, cache, sl, n_thr, arena, rss["before"], rss["arena"], rss["after"], ok))
         for r in res:
             bound = 2 * r["base_p50"] + 5
             within = "yes" if r["stall_max"] <= bound else "no"
@@ -339,15 +347,24 @@ def main(argv: list[str] | None = None) -> int:
             speed = (*speed, park_gbps / mc_big, resume_gbps / mc_big)
             speed = (*speed, layout, park_gbps / layout, resume_gbps / layout)
             gaps_ = (r["base_p50"], r["base_max"], r["stall_p50"], r["stall_max"], bound, within)
-            rows.append((fa, cache, sl, arena, f"{r['mib']:.0f}", *speed, r["park_ms"], r["resume_ms"], *gaps_))
-    heads = ["-fa", "cache", "--park-slice", "arena", "snapshot MiB", "first park GB/s (arena grows)", "park GB/s"]
+            rows.append((fa, cache, sl, n_thr, arena, f"{r['mib']:.0f}", *speed, r["park_ms"], r["resume_ms"], *gaps_))
+    heads = [
+        "-fa",
+        "cache",
+        "--park-slice",
+        "--park-threads",
+        "arena",
+        "snapshot MiB",
+        "first park GB/s (arena grows)",
+        "park GB/s",
+    ]
     heads += ["resume GB/s"]
     heads += [f"memcpy {big >> 20} MiB GB/s", "memcpy 16 MiB GB/s", "park / memcpy", "resume / memcpy"]
     heads += ["same layout by numpy GB/s", "park / layout", "resume / layout"]
     heads += ["park_ms", "resume_ms", "gap p50 ms (no park)", "gap max ms (no park)", "gap p50 ms (park)"]
     heads += ["gap max ms (park)", "bound ms", "within bound"]
     out = table(heads, rows)
-    rss_heads = ["-fa", "cache", "--park-slice", "arena", "RSS before the last park MiB", "arena MiB"]
+    rss_heads = ["-fa", "cache", "--park-slice", "--park-threads", "arena", "RSS before the last park MiB", "arena MiB"]
     rss_heads += [f"RSS {KEEP_S} + 5 s after the last resume MiB", "within 5 %"]
     if rss_rows:
         out += "\n\n" + table(rss_heads, rss_rows)
