@@ -4,10 +4,11 @@ scripts/build_llama.sh builds beside the server.
 tests/test-memory-occupancy.cpp (patch 2): the pool's exact occupancy, shared cells counted once, a cell leaving
 the count with its last sequence, cell_size bytes a cell in a sequence's state.
 
-tests/test-state-seq-copy.cpp (patches 19, 30, 31) saves a sequence whose cells
+tests/test-state-seq-copy.cpp (patches 19, 30, 31, 41) saves a sequence whose cells
 are partly contiguous and partly interleaved with two others' in steps into memory in pieces, and loads it back
 into a fragmented cache, against the one-shot llama_state_seq_get_data(): the same bytes for any piece and step
-size, the same logits after the load, no cells left by an unfinished load. Run here for every cache layout a
+size, on one thread and on two (steps of 1 MiB or more split between them), the same logits after the load,
+no cells left by an unfinished load. Run here for every cache layout a
 park copies: -fa on and off (V stored transposed), f32, f16 and q8_0 caches, on the real models (a llama and
 an iSWA model) and on a random model of many small layers.
 """
