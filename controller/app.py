@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin.app import make_admin_app
 from controller.errors import Code, KvctlError
+from controller.keeper_link import KeeperError, KeeperLink
 from controller.loop.control import ControlLoop
 from controller.metrics import Metrics
 from controller.planned import PlannedRestart
@@ -128,6 +129,7 @@ class App:
         self.client = UpstreamClient(
             str(settings.upstream.url), api_key=settings.upstream.api_key, timeout_s=settings.upstream.timeout_s
         )
+        self.link = KeeperLink.from_env()  # under the keeper: it holds the listener and the clients' connections
         self.gpu = GpuProbe()
         self.loop = ControlLoop(self.client, settings, self.metrics, gpu=self.gpu)
         self.supervisor: Supervisor | None = None
@@ -159,6 +161,8 @@ class App:
         self._hung_reported = False
         self.started = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._abandoned: list[str] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def _server_started(self) -> None:
         self.loop.forget("the supervised server (re)started")
@@ -335,7 +339,10 @@ class App:
         tls = tls_context(
             str(p.tls_cert_file) if p.tls_cert_file else None, str(p.tls_key_file) if p.tls_key_file else None
         )
-        self._proxy_cleanup = await run_site(app, host, port, tls)
+        if self.link is not None:
+            self._proxy_cleanup = await self._keep(app)
+        else:
+            self._proxy_cleanup = await run_site(app, host, port, tls)
         log.info(
             "proxy.started",
             listen=p.listen,
@@ -343,6 +350,27 @@ class App:
             auth="kvctl keys" if config.api_keys else "server key" if config.upstream_api_key else "none",
             keys=len(config.api_keys),
         )
+
+    async def _keep(self, app: web.Application) -> Callable[[], Awaitable[None]]:
+        """Serve the requests the keeper passes in, and the responses a previous worker began."""
+        assert self.link is not None and self.proxy is not None
+        takeover = self.proxy.kept(self.link)
+        runners = [web.AppRunner(app, handler_cancellation=True, access_log=None)]
+        resumes = web.Application(client_max_size=self.settings.proxy.max_body_bytes + (64 << 20))
+        resumes.router.add_post("/resume", takeover.resume)
+        runners.append(web.AppRunner(resumes, handler_cancellation=True, access_log=None))
+        for runner in runners:
+            await runner.setup()
+        assert runners[0].server is not None and runners[1].server is not None
+        self.link.serve(runners[0].server, runners[1].server)
+        if self._abandoned:
+            self._tasks.add(asyncio.create_task(takeover.end_abandoned(self._abandoned)))
+
+        async def cleanup() -> None:
+            for runner in runners:
+                await runner.cleanup()
+
+        return cleanup
 
     async def _refuse_router(self) -> None:
         """A server in router mode (several models) has no /kv or parking of its own: each child has. Refuse it."""
@@ -376,6 +404,19 @@ class App:
             if self._loop_alive() and not self.loop.stalled(interval * 2):
                 sd_notify(sock, b"WATCHDOG=1")
 
+    async def _keeper_hello(self) -> list[socket.socket]:
+        """The keeper binds the listeners (once, for every worker) and says when this worker takes over: at once,
+        or, on a reload, once the worker before it is gone."""
+        assert self.link is not None
+        self.link.start()
+        admin = await self.link.hello(
+            split_host_port(self.settings.proxy.listen), split_host_port(self.settings.admin.listen)
+        )
+        go = await self.link.ready()
+        self._abandoned = [str(k) for k in go.get("abandoned", [])]
+        log.info("keeper.took_over", epoch=self.link.epoch, abandoned=len(self._abandoned))
+        return admin
+
     async def run(self, stop: asyncio.Event) -> int:
         host, port = split_host_port(self.settings.admin.listen)
         runner = web.AppRunner(
@@ -395,8 +436,12 @@ class App:
         tasks: dict[str, asyncio.Task[None]] = {}
         try:
             try:
-                await web.TCPSite(runner, host, port).start()
-            except OSError as e:
+                if self.link is not None:
+                    for sock in await self._keeper_hello():
+                        await web.SockSite(runner, sock).start()
+                else:
+                    await web.TCPSite(runner, host, port).start()
+            except (OSError, KeeperError) as e:
                 log.error("admin.listen_failed", listen=self.settings.admin.listen, error=str(e))
                 return 1
             self.admin_addresses = [f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]

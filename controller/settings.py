@@ -222,8 +222,16 @@ class ProxySettings(_Group):
     so the peer evaluates only the tokens past them instead of the whole context again (docs/operations.md,
     Draining a replica to its peers); unset, or where that fails, the peer evaluates them again."""
 
+    keeper: bool = True
+    """Run the proxy under the keeper (`controller/keeper.py`): a small process of the standard library alone that holds
+    the listener and every client connection while the rest of kvctl crashes, is upgraded or reloads its settings
+    (`kvctl reload`, SIGHUP), so that no client sees kvctl restart. Off without it: kvctl's own restart ends its
+    clients' connections. Never with `tls_cert_file` (a TLS session cannot move between processes): terminate TLS
+    in nginx or Caddy in front instead."""
+
     tls_cert_file: Path | None = None
-    """PEM certificate chain for TLS on the public listener; plain HTTP when unset."""
+    """PEM certificate chain for TLS on the public listener; plain HTTP when unset. The keeper is off with it: kvctl's
+    own restart then ends its clients' connections."""
 
     tls_key_file: Path | None = None
     """PEM private key for `tls_cert_file` (unset: the key is in the certificate file)."""

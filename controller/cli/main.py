@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from controller.cli.client import (
     show_status,
     watch,
 )
+from controller.keeper import FD_ENV
 from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
 from controller.upstream.models import ParkMode
 
@@ -184,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
     if args.command == "run":
-        return _run(parser, args, server_argv)
+        return _run(parser, args, server_argv, exec_keeper=argv is None)
     if server_argv is not None and args.command != "restart-server":
         print("kvctl: '--' is only for run --spawn and restart-server", file=sys.stderr)
         return EXIT_USAGE
@@ -225,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- run -------------------------------------------------------------------------------------------
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, server_argv: list[str] | None) -> int:
+def _run(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, server_argv: list[str] | None, exec_keeper: bool = False
+) -> int:
     if args.spawn and not server_argv:
         parser.print_usage(sys.stderr)
         print("kvctl run: --spawn needs the server's command line after '--'", file=sys.stderr)
@@ -249,6 +253,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, server_argv:
     except SettingsError as e:
         print(f"kvctl: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if exec_keeper and settings.proxy.keeper and settings.proxy.tls_cert_file is None and FD_ENV not in os.environ:
+        # the keeper holds the listener and the clients' connections; this command line runs again as its worker
+        worker = [sys.executable, "-m", "controller", *sys.argv[1:]]
+        os.execv(sys.executable, [sys.executable, "-m", "controller.keeper", "--", *worker])
     return asyncio.run(_serve(settings, lambda: load_settings(args.config, overrides)))
 
 
@@ -263,4 +271,10 @@ async def _serve(settings: Settings, reload: Callable[[], Settings] | None = Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await App(settings, reload=reload).run(stop)
+    app = App(settings, reload=reload)
+    if app.link is not None:
+        loop.add_signal_handler(signal.SIGHUP, app.link.reload)  # the keeper's to do; a worker asked directly asks it
+    code = await app.run(stop)
+    if app.link is not None and (stop.is_set() or code in (2, 3)):
+        app.link.bye(code)  # on purpose: the keeper exits with it, and does not start another worker
+    return code

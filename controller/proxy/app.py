@@ -37,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from controller.errors import Code
+from controller.keeper_link import KeeperLink
 from controller.keys import Identity, KeyRing
 from controller.priorities import priority_class
 from controller.proxy.admission import AdmissionGate, AdmissionQueue
@@ -69,10 +70,11 @@ from controller.proxy.priority import (
     header_priority,
     resolve_priority,
 )
-from controller.proxy.relay import Relay
+from controller.proxy.relay import Relay, Reopen
 from controller.proxy.replay import Replay
 from controller.proxy.restart import ModelsCache, loading_response
 from controller.proxy.routes import Kind, Route, RouteTable
+from controller.proxy.takeover import Takeover
 from controller.proxy.transcript import ReplayMemory
 from controller.proxy.waiting import Admission, AdmissionRefused
 from controller.proxy.writer import Writer
@@ -140,6 +142,14 @@ class Proxy:
         self._idle.set()
         self._held = 0  # requests other than generations waiting in hold() for the server
         self.passing = 0  # requests other than generations relayed now
+        self.link: KeeperLink | None = None
+        self.takeover: Takeover | None = None
+
+    def kept(self, link: KeeperLink) -> Takeover:
+        """Run under the keeper: requests come through ``link``, streams outlive this worker."""
+        self.link = link
+        self.takeover = self.replay.takeover = Takeover(self, link)
+        return self.takeover
 
     # what the App and the tests read and set
     @property
@@ -376,7 +386,8 @@ class Proxy:
         """A request that takes cells: inspected, given its priority, admitted, then forwarded and relayed."""
         request, ident = ctx.request, ctx.ident
         ctx.client_request_id = request.headers.get("X-Request-Id")
-        ctx.request_id = f"kvctl-{uuid.uuid4().hex}"
+        pair = self.link.pair(request) if self.link is not None else None
+        ctx.request_id = f"kvctl-{uuid.uuid4().hex}" if pair is None else self.link.request_id(pair)  # type: ignore[union-attr]
         request_id_var.set(ctx.request_id)
         ctx.body = await request.read()
         try:
@@ -409,17 +420,18 @@ class Proxy:
         self.replay.begin(ctx, body)
         # a resumable stream's bytes are counted by its client: nothing of kvctl's own goes into it
         ctx.raw = bool(body.conversation)
+        if pair is not None and body.stream and not body.conversation and not body.predict:
+            ctx.conv_prefix, ctx.again = ctx.request_id, pair.again  # its server stream outlives this worker
         return await self.admitted(ctx, body, priority)
 
-    async def admitted(self, ctx: RequestContext, body: GenerationBody, priority: Priority) -> web.StreamResponse:
-        """The generation from its place in the admission queue to the end of its response."""
+    def _track(self, ctx: RequestContext, body: GenerationBody, priority: Priority, event: str) -> Inflight:
         assert ctx.request_id is not None
         entry = ctx.track(body.route.path)
         entry.key = ctx.ident.name if ctx.ident is not None else None
         self.inflight[ctx.request_id] = entry
         self.metrics.inflight.inc()
         log.info(
-            "request.start",
+            event,
             request_id=ctx.request_id,
             client_request_id=ctx.client_request_id,
             route=body.route.path,
@@ -428,6 +440,35 @@ class Proxy:
             priority=priority.value,
             priority_source=priority.source,
         )
+        return entry
+
+    def _untrack(self, ctx: RequestContext, entry: Inflight) -> None:
+        assert ctx.request_id is not None
+        if ctx.transcript is not None:
+            ctx.transcript.release()
+        if entry.handover is not None and entry.handover.done():
+            self.handover.discard(entry.handover.result())  # a file no move used (the stream ended first)
+        if ctx.conv is not None and not ctx.upstream_done and self.takeover is not None:
+            self.takeover.end_session(ctx.conv)  # ended here (its client left, kvctl ended it): so on the server
+        if self.inflight.get(ctx.request_id) is entry:
+            del self.inflight[ctx.request_id]
+        self.metrics.inflight.dec()
+
+    async def resumed(
+        self, ctx: RequestContext, body: GenerationBody, priority: Priority, reopen: Reopen
+    ) -> web.StreamResponse:
+        """A stream a previous worker had begun (controller.proxy.takeover): from the server's stream of it on."""
+        entry = self._track(ctx, body, priority, "request.resumed")
+        entry.state = Phase.UPSTREAM
+        try:
+            return await self.relay.forward(ctx, reopen)
+        finally:
+            self._untrack(ctx, entry)
+
+    async def admitted(self, ctx: RequestContext, body: GenerationBody, priority: Priority) -> web.StreamResponse:
+        """The generation from its place in the admission queue to the end of its response."""
+        assert ctx.request_id is not None
+        entry = self._track(ctx, body, priority, "request.start")
         try:
             t_queue = time.monotonic()
             if self.state.draining and ctx.raw:
@@ -458,12 +499,7 @@ class Proxy:
                     self.handover.release(claimed, ctx.request_id)
             return await self.relay.forward(ctx)
         finally:
-            if ctx.transcript is not None:
-                ctx.transcript.release()
-            if entry.handover is not None and entry.handover.done():
-                self.handover.discard(entry.handover.result())  # a file no move used (the stream ended first)
-            self.inflight.pop(ctx.request_id, None)
-            self.metrics.inflight.dec()
+            self._untrack(ctx, entry)
 
 
 def make_proxy_app(

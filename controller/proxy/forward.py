@@ -141,8 +141,9 @@ class Upstream:
         """Send the request; wait for the response to start, or for kvctl to end the request (a hung server)."""
         assert self.session is not None and ctx.entry is not None
         entry = ctx.entry
+        headers = ctx.headers if ctx.conv is None else {**ctx.headers, "X-Conversation-Id": ctx.conv}
         cm = self.session.request(
-            ctx.request.method, URL(self.url(ctx), encoded=True), data=upstream_body(body), headers=ctx.headers
+            ctx.request.method, URL(self.url(ctx), encoded=True), data=upstream_body(body), headers=headers
         )
         opening: asyncio.Future[aiohttp.ClientResponse] = asyncio.ensure_future(cm.__aenter__())
         moving = asyncio.ensure_future(entry.move.wait())

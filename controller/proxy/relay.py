@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,10 @@ from controller.proxy.sse import SSEFramer, comment_text, has_data, is_comment
 from controller.proxy.transcript import ANNOUNCE_HEADER
 from controller.proxy.writer import Writer, abort
 
-__all__ = ["Relay"]
+__all__ = ["Relay", "Reopen"]
+
+# a stream a previous worker began, opened again (controller.proxy.takeover); None: it cannot go on
+Reopen = Callable[[RequestContext], Awaitable[Opened | None]]
 
 log = structlog.get_logger("kvctl.proxy")
 
@@ -74,8 +78,9 @@ class Relay:
         self.models_cache: ModelsCache | None = None
         """Where the model list's answers are kept for a restart (set by the coordinator)."""
 
-    async def forward(self, ctx: RequestContext) -> web.StreamResponse:
-        """Send the request, relay its response; a client that hangs up closes the upstream connection."""
+    async def forward(self, ctx: RequestContext, reopen: Reopen | None = None) -> web.StreamResponse:
+        """Send the request (or ``reopen`` a stream a previous worker began), relay its response; a client that hangs
+        up closes the upstream connection."""
         relayed = ctx.entry is None
         # not a generation: tracked only so that a hung server or a shutdown can end it
         entry = ctx.track(ctx.label, Phase.UPSTREAM) if ctx.entry is None else ctx.entry
@@ -83,7 +88,10 @@ class Relay:
             self.tracker.relays.add(entry)
         try:
             try:
-                upstream_cm, upstream = await self.replay.open(ctx)
+                opened = await (self.replay.open(ctx) if reopen is None else reopen(ctx))
+                if opened is None:
+                    return await self._not_reopened(ctx)
+                upstream_cm, upstream = opened
             finally:
                 if relayed:
                     self.tracker.relays.discard(entry)
@@ -115,6 +123,17 @@ class Relay:
         finally:
             entry.upstream = None
             await upstream_cm.__aexit__(None, None, None)
+
+    async def _not_reopened(self, ctx: RequestContext) -> web.StreamResponse:
+        """A stream a previous worker began that cannot go on: the server's refusal, or the error event."""
+        assert ctx.response is not None
+        t = ctx.transcript
+        if t is not None and t.refused is not None:
+            await self.writer.write(ctx, t.refused)
+        else:
+            status, message, code = self.errors.stream_error(ctx, Broken("kvctl restarted"))
+            await self.writer.write(ctx, error_event(ctx.route, status, message, code))
+        return ctx.response
 
     async def _respond(self, ctx: RequestContext, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -231,7 +250,7 @@ class Relay:
         """A generation's events to the client, with heartbeats over silences. With a transcript, a stream whose
         server died (or, spawned, hung) goes on in the restarted server (replay)."""
         assert ctx.entry is not None
-        if ctx.transcript is not None and upstream.headers.get(ANNOUNCE_HEADER) != "1":
+        if ctx.transcript is not None and upstream.headers.get(ANNOUNCE_HEADER) != "1" and not ctx.attached:
             ctx.transcript.drop("the server does not announce token ids (patch 0026)")
         s = _Events(upstream, ctx.entry.t_start)
         try:
@@ -275,6 +294,7 @@ class Relay:
                 return False
             # given up: even a response that merely ended gets the error event
         elif isinstance(end, Truncated):
+            ctx.upstream_done = True
             rest = b"".join(s.held) + s.framer.flush()
             if rest:
                 await self.writer.write(ctx, rest)
@@ -308,6 +328,9 @@ class Relay:
         s.last = time.monotonic()
         out: list[bytes] = []
         for event in s.framer.feed(chunk):
+            if ctx.skip_tokens > 0:
+                self._skip(ctx, event)  # the client has it: a previous worker relayed it
+                continue
             if s.first and has_data(event):
                 s.first = False
                 self.metrics.ttft.observe(time.monotonic() - s.t0)
@@ -320,3 +343,16 @@ class Relay:
             out.extend(self.replay.pass_event(ctx, event, s.held))
         if out:
             await self.writer.write(ctx, b"".join(out))
+
+    @staticmethod
+    def _skip(ctx: RequestContext, event: bytes) -> None:
+        """An event of an attached stream that the client has (up to the ids it has); a continuation's still names
+        what the splice maps."""
+        t = ctx.transcript
+        if t is not None and t.replays:
+            t.splice(event)
+        if event.startswith(b": tokens"):
+            ctx.skip_tokens -= len(event[len(b": tokens") :].split())
+            if ctx.skip_tokens < 0:
+                log.warning("takeover.skip_overrun", request_id=ctx.request_id, by=-ctx.skip_tokens)
+                ctx.skip_tokens = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
@@ -30,6 +30,9 @@ from controller.proxy.routes import Kind
 from controller.proxy.sse import has_data
 from controller.proxy.transcript import ANNOUNCE_HEADER, OPT_OUT_HEADER, ReplayMemory, Transcript
 from controller.proxy.writer import Writer
+
+if TYPE_CHECKING:
+    from controller.proxy.takeover import Takeover
 
 __all__ = ["Replay"]
 
@@ -56,6 +59,7 @@ class Replay:
         self.completion_ids = completion_ids
         self.peers: Peers | None = None  # where a drain moves requests (controller.proxy.drain)
         self.handover: Handover | None = None  # the files of moved cells (controller.proxy.handover)
+        self.takeover: Takeover | None = None  # under the keeper: the server's streams of a previous worker's requests
 
     def begin(self, ctx: RequestContext, body: GenerationBody) -> None:
         """Whether the request may be sent again, and its transcript when its stream may be continued (a client
@@ -76,6 +80,10 @@ class Replay:
         assert ctx.entry is not None
         resends = 0
         deadline: float | None = None
+        if ctx.again and ctx.conv_prefix is not None and self.takeover is not None:
+            attached = await self.takeover.attach_again(ctx)  # the previous worker had sent it: its stream, whole
+            if attached is not None:
+                return attached
         while True:
             if ctx.entry.move.is_set():
                 opened = await self.to_peer(ctx, ctx.body)
@@ -83,6 +91,8 @@ class Replay:
                     return opened
             try:
                 ctx.entry.sent_epoch = self.epoch()
+                if ctx.conv_prefix is not None:
+                    ctx.conv = f"{ctx.conv_prefix}::0"
                 return await self.upstream.send(ctx, ctx.body)
             except Moving:
                 continue  # withdrawn here: to a peer whole
@@ -134,6 +144,8 @@ class Replay:
         why = str(end)
         if entry.move.is_set():
             # a drain cut the stream: continued on a peer, else here (the server here still runs)
+            if ctx.conv is not None and self.takeover is not None:
+                self.takeover.end_session(ctx.conv)  # its stream here would go on generating for nobody
             transcript.replays += 1
             opened = await self.to_peer(ctx, transcript.continuation(), continued=True)
             if opened is not None:
@@ -157,6 +169,8 @@ class Replay:
                     return opened
             after_restart = None  # restarted once: a later death is an ordinary one
             entry.sent_epoch = self.epoch()
+            if ctx.conv_prefix is not None:
+                ctx.conv = f"{ctx.conv_prefix}::{len(transcript.ids)}"  # after the ids it continues from
             try:
                 cm, upstream = await self._beating(ctx, self.upstream.send(ctx, transcript.continuation()))
             except UpstreamEnded:

@@ -1,0 +1,172 @@
+"""The worker's side of the keeper (controller.keeper): its control channel, and the requests it passes in.
+
+Under the keeper, ``kvctl run`` is a worker: it binds no public listener. The keeper hands it each request on a socket
+pair of its own (SCM_RIGHTS); :meth:`KeeperLink.serve` feeds those to the proxy's aiohttp server, and a *resume*
+(a response the previous worker had begun) to the resume server. Each request is known by the keeper's connection
+and sequence number, from which the worker derives its request id, so that a worker after a crash finds the
+server's stream of the same request again (``request_id``).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from controller.keeper import EPOCH_ENV, FD_ENV
+
+__all__ = ["KeeperError", "KeeperLink", "Pair"]
+
+log = structlog.get_logger("kvctl.keeper")
+
+_MAX_FDS = 8
+
+
+class KeeperError(Exception):
+    """The keeper refused (a listen address it could not bind) or went away."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    conn: int
+    seq: int
+    again: bool  # sent again: the worker that had it died before the response started
+    resume: bool  # a response the client has part of
+
+
+class KeeperLink:
+    def __init__(self, fd: int, epoch: str) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.setblocking(False)
+        self.epoch = epoch
+        self.pairs: dict[int, Pair] = {}  # by the pair's fd in this process
+        self._msgs: asyncio.Queue[tuple[dict[str, Any], list[int]]] = asyncio.Queue()
+        self._serve: Callable[[dict[str, Any], socket.socket], None] | None = None
+        self._early: list[tuple[dict[str, Any], socket.socket]] = []
+        self.lost = asyncio.Event()  # the keeper is gone: nothing more reaches this worker
+        self._seen: set[tuple[int, int]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def from_env(cls) -> KeeperLink | None:
+        fd = os.environ.pop(FD_ENV, None)
+        epoch = os.environ.pop(EPOCH_ENV, "0")
+        if not fd or not fd.isdigit():
+            return None
+        return cls(int(fd), epoch)
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, anc = b"", []
+            if not data:
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+                self.lost.set()
+                return
+            fds: list[int] = []
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+                    fds.extend(a)
+            msg = json.loads(data)
+            if msg.get("op") == "conn" and fds:
+                self._conn(msg, socket.socket(fileno=fds[0]))
+            else:
+                self._msgs.put_nowait((msg, fds))
+
+    def _conn(self, msg: dict[str, Any], pair: socket.socket) -> None:
+        key = (int(msg["id"]), int(msg["seq"]))
+        info = Pair(key[0], key[1], again=key in self._seen or bool(msg.get("again")), resume=bool(msg["resume"]))
+        self._seen.add(key)
+        self.pairs[pair.fileno()] = info
+        if self._serve is None:
+            self._early.append((msg, pair))
+        else:
+            self._serve(msg, pair)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.send(json.dumps(msg).encode())
+
+    async def _expect(self, op: str) -> tuple[dict[str, Any], list[int]]:
+        lost = asyncio.ensure_future(self.lost.wait())
+        try:
+            while True:
+                get = asyncio.ensure_future(self._msgs.get())
+                done, _ = await asyncio.wait({get, lost}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    raise KeeperError("the keeper went away")
+                msg, fds = get.result()
+                if msg.get("op") == op:
+                    return msg, fds
+                for fd in fds:
+                    os.close(fd)
+        finally:
+            lost.cancel()
+
+    async def hello(self, listen: tuple[str, int], admin: tuple[str, int]) -> list[socket.socket]:
+        """Ask the keeper for the listeners: it binds them once, for every worker; the admin listener's sockets."""
+        self.send({"op": "hello", "listen": list(listen), "admin": list(admin), "pid": os.getpid()})
+        msg, fds = await self._expect("sockets")
+        if "error" in msg:
+            raise KeeperError(str(msg["error"]))
+        return [socket.socket(fileno=fd) for fd in fds]
+
+    async def ready(self) -> dict[str, Any]:
+        """Ready to take over: the keeper stops the worker before this one (a reload) and says go, with what this
+        one takes over (the spawned server's pid, requests whose clients left meanwhile)."""
+        self.send({"op": "ready"})
+        msg, _ = await self._expect("go")
+        return msg
+
+    def serve(self, clients: web.Server, resumes: web.Server) -> None:
+        """Feed each pair to its server, then tell the keeper to route requests here."""
+        loop = asyncio.get_running_loop()
+
+        def one(msg: dict[str, Any], pair: socket.socket) -> None:
+            server = resumes if msg.get("resume") else clients
+            task = loop.create_task(loop.connect_accepted_socket(server, pair))  # type: ignore[arg-type]
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._serve = one
+        for msg, pair in self._early:
+            one(msg, pair)
+        self._early.clear()
+        self.send({"op": "serving"})
+
+    def pair(self, request: web.BaseRequest) -> Pair | None:
+        transport = request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        return self.pairs.get(sock.fileno()) if sock is not None else None
+
+    def request_id(self, pair: Pair) -> str:
+        """A request's id, the same in every worker: its upstream streams are named after it."""
+        return f"kvctl-{self.epoch}-{pair.conn}-{pair.seq}"
+
+    def reload(self) -> None:
+        self.send({"op": "reload"})
+
+    def server_started(self, pid: int) -> None:
+        self.send({"op": "server", "pid": pid})
+
+    def bye(self, code: int) -> None:
+        self.send({"op": "bye", "code": code})
