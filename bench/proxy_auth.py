@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from bench.common import build, cli, model, pct, placement, save, server, table
 from controller.keys import ApiKey
-from controller.proxy.app import make_proxy_app, run_site
+from controller.proxy.app import make_proxy_app
 from controller.proxy.config import ProxyConfig
+from controller.proxy.site import run_site
 from testkit.llama import free_port
 
 SERVER_KEY = "sk-bench-server"

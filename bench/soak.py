@@ -125,8 +125,9 @@ async def run(args: argparse.Namespace) -> Tally:
         url = srv.url
         cleanup = None
         if args.via_proxy:
-            from controller.proxy.app import make_proxy_app, run_site
+            from controller.proxy.app import make_proxy_app
             from controller.proxy.config import ProxyConfig
+            from controller.proxy.site import run_site
 
             port = free_port()
             cleanup = await run_site(

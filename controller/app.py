@@ -32,10 +32,12 @@ from controller.policy.pool import pressure
 from controller.policy.types import QueuedRequest
 from controller.probes.gpu import GpuProbe
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import PROXY_KEY, Proxy, make_proxy_app, run_site, tls_context
+from controller.proxy.app import PROXY_KEY, Proxy, make_proxy_app
 from controller.proxy.config import ProxyConfig
+from controller.proxy.context import Phase, Stop
 from controller.proxy.endpoint_metrics import EndpointMetrics, EndpointSample
 from controller.proxy.routes import predict_route_from_env
+from controller.proxy.site import run_site, tls_context
 from controller.settings import LogFormat, LogSettings, MetricsCompat, Settings, split_host_port
 from controller.upstream.client import UpstreamClient, UpstreamError
 from controller.upstream.models import SlotState
@@ -139,6 +141,7 @@ class App:
             )
         if self.supervisor is not None:
             supervisor = self.supervisor
+            supervisor.keeper = self.link
             self.loop.add_poll_listener(lambda: supervisor.answered() if self.loop.state.upstream_up else None)
         self.admin_addresses: list[str] = []
         self.gate = AdmissionGate()
@@ -162,7 +165,6 @@ class App:
         self.started = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._abandoned: list[str] = []
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def _server_started(self) -> None:
         self.loop.forget("the supervised server (re)started")
@@ -201,7 +203,7 @@ class App:
         if self.proxy is None:
             raise KvctlError(409, Code.SERVER_NOT_READY, "the proxy is not listening yet", 2)
         supervisor = self.supervisor
-        outcome = await self.proxy.drain_to_peers(peers, supervisor.stop if supervisor is not None else None)
+        outcome = await self.proxy.drainer.run(peers, supervisor.stop if supervisor is not None else None)
         return {
             "moved": outcome.moved,
             "finished_here": outcome.finished_here,
@@ -250,7 +252,7 @@ class App:
             return
         if self.proxy is not None and silent >= limit + self.settings.proxy.replay_timeout_s:
             # an attached server cannot be restarted by kvctl: its unanswered requests wait replay_timeout_s longer
-            ended = self.proxy.end_waiting()
+            ended = self.proxy.tracker.end(Stop.HUNG, Phase.UPSTREAM)
             if ended:
                 log.error("proxy.ended_waiting_requests", count=ended, silent_s=round(silent, 1))
         if not self._hung_reported:
@@ -328,7 +330,7 @@ class App:
         self.proxy.state.comes_back = self._server_comes_back
         if self.supervisor is not None:
             supervisor = self.supervisor
-            self.proxy.restarts = lambda: supervisor.status.restarts
+            self.proxy.state.restarts = lambda: supervisor.status.restarts
             if supervisor.status.failure is not None:  # gave up while the proxy was starting
                 self.proxy.fail(supervisor.status.failure)
         self.proxy.endpoint = EndpointMetrics(
@@ -354,23 +356,7 @@ class App:
     async def _keep(self, app: web.Application) -> Callable[[], Awaitable[None]]:
         """Serve the requests the keeper passes in, and the responses a previous worker began."""
         assert self.link is not None and self.proxy is not None
-        takeover = self.proxy.kept(self.link)
-        runners = [web.AppRunner(app, handler_cancellation=True, access_log=None)]
-        resumes = web.Application(client_max_size=self.settings.proxy.max_body_bytes + (64 << 20))
-        resumes.router.add_post("/resume", takeover.resume)
-        runners.append(web.AppRunner(resumes, handler_cancellation=True, access_log=None))
-        for runner in runners:
-            await runner.setup()
-        assert runners[0].server is not None and runners[1].server is not None
-        self.link.serve(runners[0].server, runners[1].server)
-        if self._abandoned:
-            self._tasks.add(asyncio.create_task(takeover.end_abandoned(self._abandoned)))
-
-        async def cleanup() -> None:
-            for runner in runners:
-                await runner.cleanup()
-
-        return cleanup
+        return await self.proxy.kept(self.link).serve(app, self.settings.proxy.max_body_bytes, self._abandoned)
 
     async def _refuse_router(self) -> None:
         """A server in router mode (several models) has no /kv or parking of its own: each child has. Refuse it."""
@@ -412,8 +398,13 @@ class App:
         admin = await self.link.hello(
             split_host_port(self.settings.proxy.listen), split_host_port(self.settings.admin.listen)
         )
-        go = await self.link.ready()
+        go, fds = await self.link.ready()
         self._abandoned = [str(k) for k in go.get("abandoned", [])]
+        if self.supervisor is not None:
+            self.supervisor.adopt, self.supervisor.adopt_fds = go.get("server") or None, fds  # still running
+        else:
+            for fd in fds:
+                os.close(fd)
         log.info("keeper.took_over", epoch=self.link.epoch, abandoned=len(self._abandoned))
         return admin
 
@@ -428,6 +419,7 @@ class App:
                 draining=lambda: self.proxy is not None and self.proxy.draining,
                 restart_server=self.restart_server if self.planned is not None else None,
                 drain=self.drain,
+                keeper=self.link,
             ),
             handle_signals=False,
             access_log=None,

@@ -95,6 +95,10 @@ class Code(StrEnum):
     DRAIN_IN_PROGRESS = "drain_in_progress"
     INVALID_PEERS = "invalid_peers"
     """`POST /drain`: no peer to drain to (none given, `proxy.drain_peers` empty), or one that is not an http(s) URL."""
+    NO_KEEPER = "no_keeper"
+    """`POST /reload`: kvctl runs without its keeper (proxy.keeper off, or TLS on its listener)."""
+    INVALID_ENVIRONMENT = "invalid_environment"
+    """`POST /reload`: an environment that is not an object of KVCTL_* names to strings."""
     ACTION_TIMEOUT = "action_timeout"
     """A park or resume was not answered in time; it may still complete (``GET /status`` tells)."""
 

@@ -55,6 +55,9 @@ class KeeperLink:
         self.lost = asyncio.Event()  # the keeper is gone: nothing more reaches this worker
         self._seen: set[tuple[int, int]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.reloads_failed = 0
+        self._exits: dict[int, asyncio.Future[int]] = {}
+        self.reload_error: str | None = None
 
     @classmethod
     def from_env(cls) -> KeeperLink | None:
@@ -88,6 +91,14 @@ class KeeperLink:
             msg = json.loads(data)
             if msg.get("op") == "conn" and fds:
                 self._conn(msg, socket.socket(fileno=fds[0]))
+            elif msg.get("op") == "server_exited":
+                fut = self._exits.setdefault(int(msg["pid"]), asyncio.get_running_loop().create_future())
+                if not fut.done():
+                    fut.set_result(int(msg["status"]))
+            elif msg.get("op") == "reload_failed":
+                self.reloads_failed += 1
+                self.reload_error = str(msg.get("error"))
+                log.error("keeper.reload_failed", error=self.reload_error)
             else:
                 self._msgs.put_nowait((msg, fds))
 
@@ -101,9 +112,10 @@ class KeeperLink:
         else:
             self._serve(msg, pair)
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         with contextlib.suppress(OSError):
-            self.sock.send(json.dumps(msg).encode())
+            self.sock.sendmsg([json.dumps(msg).encode()], anc)
 
     async def _expect(self, op: str) -> tuple[dict[str, Any], list[int]]:
         lost = asyncio.ensure_future(self.lost.wait())
@@ -130,12 +142,11 @@ class KeeperLink:
             raise KeeperError(str(msg["error"]))
         return [socket.socket(fileno=fd) for fd in fds]
 
-    async def ready(self) -> dict[str, Any]:
+    async def ready(self) -> tuple[dict[str, Any], list[int]]:
         """Ready to take over: the keeper stops the worker before this one (a reload) and says go, with what this
-        one takes over (the spawned server's pid, requests whose clients left meanwhile)."""
+        one takes over (the spawned server's pid and output pipes, requests whose clients left meanwhile)."""
         self.send({"op": "ready"})
-        msg, _ = await self._expect("go")
-        return msg
+        return await self._expect("go")
 
     def serve(self, clients: web.Server, resumes: web.Server) -> None:
         """Feed each pair to its server, then tell the keeper to route requests here."""
@@ -162,11 +173,21 @@ class KeeperLink:
         """A request's id, the same in every worker: its upstream streams are named after it."""
         return f"kvctl-{self.epoch}-{pair.conn}-{pair.seq}"
 
-    def reload(self) -> None:
-        self.send({"op": "reload"})
+    def reload(self, environment: dict[str, str] | None = None) -> None:
+        """Ask the keeper for a new worker (``environment``: its KVCTL_ variables instead of the ones it has)."""
+        self.send({"op": "reload", "environment": environment})
 
-    def server_started(self, pid: int) -> None:
-        self.send({"op": "server", "pid": pid})
+    def server_started(self, pid: int, read_ends: list[int]) -> None:
+        """A spawned server: the keeper keeps its pid and copies of its output pipes for the next worker."""
+        self.send({"op": "server", "pid": pid}, read_ends)
+
+    async def exit_status(self, pid: int) -> int:
+        """The exit status of an adopted server, as the keeper reaped it (-1 when it does not say within 2 s)."""
+        if pid not in self._exits:
+            self._exits[pid] = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(self._exits[pid]), 2.0)
+        return -1
 
     def bye(self, code: int) -> None:
         self.send({"op": "bye", "code": code})

@@ -31,7 +31,7 @@ import structlog
 from controller.errors import Code, KvctlError
 from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import Proxy
-from controller.proxy.context import Inflight, Phase
+from controller.proxy.context import Inflight, Phase, Stop
 from controller.upstream.supervisor import Supervisor
 
 __all__ = ["ModelIdentity", "PlannedRestart", "RestartOutcome", "model_identity"]
@@ -164,7 +164,7 @@ class PlannedRestart:
         )
         self.gate.server_down()  # new requests wait, as during a crash restart
         if changed and proxy is not None:
-            proxy.end_replaced()
+            proxy.tracker.end_sent(Stop.REPLACED)
         if not await sup.restart(new_argv):
             raise await self._roll_back(old_argv, "the new command line did not give a ready server")
         new_models = await self._models()

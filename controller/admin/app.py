@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from controller.admin.models import ManualAction, Status
+from controller.admin.models import KeeperView, ManualAction, Status
 from controller.admin.status import build_status
 from controller.errors import ORIGIN_HEADER, Code, KvctlError, admin_error_response
 from controller.httputil import unsupported_expect
@@ -120,6 +121,7 @@ class _Admin:
     draining: Callable[[], bool] = lambda: False
     restart_server: RestartServer | None = None
     drain: DrainReplica | None = None
+    keeper: KeeperControl | None = None
     started: float = field(default_factory=time.monotonic)
     _above_high_since: float | None = None
 
@@ -164,6 +166,12 @@ class _Admin:
             ready = False
         return _Verdict(ready and self.loop_healthy(), degraded, problems)
 
+    def _keeper_view(self) -> KeeperView | None:
+        k = self.keeper
+        if k is None:
+            return None
+        return KeeperView(pid=os.getpid(), reloads_failed=k.reloads_failed, last_reload_error=k.reload_error)
+
     def loop_healthy(self) -> bool:
         return self.loop_alive() and not self.loop.stalled(LOOP_STALL_S)
 
@@ -183,12 +191,23 @@ class _Admin:
             uptime_s=now - self.started,
             failed_after=self.settings.supervisor.failed_after,
             above_high_s=now - self._above_high_since if self._above_high_since is not None else None,
+            keeper=self._keeper_view(),
         )
 
 
 RestartServer = Callable[[list[str] | None, bool], Awaitable[dict[str, Any]]]
 """A planned restart of the spawned server (controller.planned): the new command line or None, force; the answer's
 body, or KvctlError."""
+
+
+class KeeperControl(Protocol):
+    """The worker's link to the keeper, as the admin API uses it (controller.keeper_link)."""
+
+    reloads_failed: int
+    reload_error: str | None
+
+    def reload(self, environment: dict[str, str] | None = None) -> None: ...
+
 
 DrainReplica = Callable[[list[str] | None], Awaitable[dict[str, Any]]]
 """A drain to peers (controller.proxy.drain): the peers or None (proxy.drain_peers); the answer's body, or
@@ -207,6 +226,7 @@ def make_admin_app(
     draining: Callable[[], bool] = lambda: False,
     restart_server: RestartServer | None = None,
     drain: DrainReplica | None = None,
+    keeper: KeeperControl | None = None,
 ) -> web.Application:
     token = settings.admin.token.get_secret_value() if settings.admin.token is not None else None
 
@@ -243,6 +263,7 @@ def make_admin_app(
         draining,
         restart_server,
         drain,
+        keeper,
     )
     app[_ADMIN] = admin
     loop.add_poll_listener(admin.evaluate)  # readiness' timers follow every poll, not only probe calls
@@ -255,6 +276,7 @@ def make_admin_app(
     app.router.add_post("/slots/{id}/resume", _manual, expect_handler=_expect)
     app.router.add_post("/server/restart", _restart_server, expect_handler=_expect)
     app.router.add_post("/drain", _drain, expect_handler=_expect)
+    app.router.add_post("/reload", _reload, expect_handler=_expect)
     app.router.add_route("*", "/{tail:.*}", _no_route, expect_handler=_expect)  # last: what no route above takes
     return app
 
@@ -343,6 +365,38 @@ async def _restart_server(request: web.Request) -> web.StreamResponse:
         log.warning("restart.refused", status=e.status, code=e.code, error=e.message)
         return admin_error_response(e.status, e.message, e.code, e.retry_after_s)
     return web.json_response(answer, headers={ORIGIN_HEADER: "kvctl"})
+
+
+async def _reload(request: web.Request) -> web.StreamResponse:
+    """``POST /reload`` with an optional ``{"environment": {"KVCTL_...": "..."}}``: the keeper starts a new worker (the
+    code and settings as they are now, with those variables in place of the KVCTL_ ones it has), which takes over
+    every connection once it is ready. Answers at once (202) with this worker's pid."""
+    admin = request.app[_ADMIN]
+    if admin.keeper is None:
+        message = "kvctl runs without its keeper (proxy.keeper off, or TLS on the listener): restart it instead"
+        return admin_error_response(409, message, Code.NO_KEEPER)
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return admin_error_response(400, "the body must be a JSON object", Code.INVALID_ENVIRONMENT)
+    env = body.get("environment") if isinstance(body, dict) else None
+    if (
+        not isinstance(body, dict)
+        or set(body) - {"environment"}
+        or not (
+            env is None
+            or (
+                isinstance(env, dict)
+                and all(isinstance(k, str) and k.startswith("KVCTL_") and isinstance(v, str) for k, v in env.items())
+            )
+        )
+    ):
+        message = 'the body takes only "environment": an object of KVCTL_* names to strings'
+        return admin_error_response(400, message, Code.INVALID_ENVIRONMENT)
+    admin.keeper.reload(env)
+    log.info("reload.asked", environment=sorted(env) if env is not None else None)  # names only: values hold keys
+    return web.json_response({"reloading": True, "pid": os.getpid()}, status=202, headers={ORIGIN_HEADER: "kvctl"})
 
 
 async def _drain(request: web.Request) -> web.StreamResponse:

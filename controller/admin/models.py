@@ -197,6 +197,16 @@ class GpuDeviceView(_Model):
     """``nvml`` or ``server``."""
 
 
+class KeeperView(_Model):
+    """The worker under the keeper (controller.keeper): which process serves now, and how its reloads went."""
+
+    pid: int
+    """This worker's process id: ``kvctl reload`` waits for another one to answer."""
+    reloads_failed: int
+    """Reloads whose new worker died before it took over (this one went on serving)."""
+    last_reload_error: str | None
+
+
 class Status(_Model):
     schema_version: int = SCHEMA_VERSION
     version: str
@@ -222,6 +232,8 @@ class Status(_Model):
     older server that does not say), ``error`` when NVML failed to read them."""
     gpu_devices: list[GpuDeviceView]
     gpu_held: str | None = None
+    keeper: KeeperView | None = None
+    """Under the keeper: the worker's process and reloads; None when kvctl runs without it."""
     """Why restores and admissions wait for GPU memory (others took memory since the server started); None if not."""
 
 

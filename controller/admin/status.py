@@ -9,6 +9,7 @@ from controller.admin.models import (
     DiskView,
     ExitView,
     GpuDeviceView,
+    KeeperView,
     LoopView,
     PoolView,
     SlotView,
@@ -58,6 +59,7 @@ def build_status(
     failed_after: int = 0,
     above_high_s: float | None = None,
     now_ms: int | None = None,
+    keeper: KeeperView | None = None,
 ) -> Status:
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     mono = time.monotonic()
@@ -100,6 +102,7 @@ def build_status(
         gpu=gpu_state,
         gpu_devices=[_gpu_device_view(i, d) for i, d in enumerate(room.devices)],
         gpu_held=room.held,
+        keeper=keeper,
     )
 
 

@@ -235,3 +235,42 @@ def _refused(admin: Admin, code: int, text: str, what: str) -> int:
         return EXIT_UNKNOWN
     print(f"{what}: refused: {message} ({code})", file=sys.stderr)
     return EXIT_DEGRADED
+
+
+RELOAD_TIMEOUT_S = 120.0
+"""A reload waits for the new worker to start (its imports, its settings) and take over."""
+
+
+async def reload(admin: Admin, environment: dict[str, str] | None, as_json: bool) -> int:
+    """``kvctl reload [--environment]``: POST /reload, then wait until another worker answers ``GET /status``."""
+    got = await _post(admin, "/reload", {"environment": environment} if environment is not None else {}, 10.0)
+    if isinstance(got, int):
+        return got
+    code, text = got
+    if code != 202:
+        return _refused(admin, code, text, "kvctl reload")
+    old = json.loads(text)["pid"]
+    deadline = time.monotonic() + RELOAD_TIMEOUT_S
+    failed: int | None = None
+    async with _session(STATUS_TIMEOUT_S) as session:
+        while time.monotonic() < deadline:
+            try:
+                status = (await _fetch_status(session, admin)).status
+            except _Failure:
+                await asyncio.sleep(0.2)  # between the two workers
+                continue
+            keeper = status.keeper
+            if keeper is None:
+                break
+            if failed is None:
+                failed = keeper.reloads_failed
+            if keeper.pid != old:
+                shown = {"reloaded": True, "old_pid": old, "pid": keeper.pid}
+                print(json.dumps(shown) if as_json else f"reloaded: worker {old} -> {keeper.pid}, no connection lost")
+                return EXIT_OK
+            if keeper.reloads_failed > failed:
+                print(f"kvctl reload: failed: {keeper.last_reload_error}; worker {old} serves on", file=sys.stderr)
+                return EXIT_DEGRADED
+            await asyncio.sleep(0.2)
+    print(f"kvctl reload: no new worker within {RELOAD_TIMEOUT_S:g} s; worker {old} serves on", file=sys.stderr)
+    return EXIT_DEGRADED

@@ -27,6 +27,7 @@ from controller.cli.client import (
     admin_url,
     drain,
     manual,
+    reload,
     restart_server,
     show_status,
     watch,
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
             "restart the server kvctl spawned, losing no chat (an upgrade: kvctl restart-server -- llama-server ARGS)",
         ),
         ("drain", "move every request to peer replicas and stop the server (kvctl drain [--to URL ...])"),
+        ("reload", "start kvctl again with its code and settings as they are now, losing no chat (SIGHUP does too)"),
     ):
         c = sub.add_parser(
             name,
@@ -135,9 +137,12 @@ def _parser() -> argparse.ArgumentParser:
             "--json",
             action="store_true",
             help="print the admin API's answer as served ("
-            + {"status": "GET /status", "restart-server": "POST /server/restart", "drain": "POST /drain"}.get(
-                name, f"POST /slots/ID/{name}"
-            )
+            + {
+                "status": "GET /status",
+                "restart-server": "POST /server/restart",
+                "drain": "POST /drain",
+                "reload": "POST /reload",
+            }.get(name, f"POST /slots/ID/{name}")
             + "; the default when stdout is not a terminal)",
         )
         form.add_argument("--text", action="store_true", help="print the text view (the default on a terminal)")
@@ -154,6 +159,13 @@ def _parser() -> argparse.ArgumentParser:
                 "--force",
                 action="store_true",
                 help="restart even with another model (running requests then end with an error)",
+            )
+        elif name == "reload":
+            c.add_argument(
+                "--environment",
+                action="store_true",
+                help="the new kvctl takes this command's KVCTL_* variables instead of its own (systemd's ExecReload "
+                "reads the unit's EnvironmentFile again)",
             )
         elif name == "drain":
             c.add_argument(
@@ -221,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(restart_server(admin, server_argv, args.force, as_json))
     if args.command == "drain":
         return asyncio.run(drain(admin, args.to, as_json))
+    if args.command == "reload":
+        env = {k: v for k, v in os.environ.items() if k.startswith("KVCTL_")} if args.environment else None
+        return asyncio.run(reload(admin, env, as_json))
     return asyncio.run(manual(admin, args.command, args.slot, as_json, getattr(args, "mode", None)))
 
 

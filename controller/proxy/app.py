@@ -24,11 +24,8 @@ once (handler_cancellation), except a conversation stream, which the server keep
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -52,7 +49,7 @@ from controller.proxy.context import (
     priority_var,
     request_id_var,
 )
-from controller.proxy.drain import Drain, DrainOutcome
+from controller.proxy.drain import DRAIN_GRACE_S, Drain
 from controller.proxy.endpoint_metrics import EndpointMetrics
 from controller.proxy.forward import Upstream
 from controller.proxy.framing import Errors
@@ -71,6 +68,7 @@ from controller.proxy.priority import (
     resolve_priority,
 )
 from controller.proxy.relay import Relay, Reopen
+from controller.proxy.relayed import Relayed
 from controller.proxy.replay import Replay
 from controller.proxy.restart import ModelsCache, loading_response
 from controller.proxy.routes import Kind, Route, RouteTable
@@ -79,22 +77,13 @@ from controller.proxy.transcript import ReplayMemory
 from controller.proxy.waiting import Admission, AdmissionRefused
 from controller.proxy.writer import Writer
 
-__all__ = [
-    "DRAIN_GRACE_S",
-    "PROXY_KEY",
-    "Proxy",
-    "make_proxy_app",
-    "run_site",
-    "tls_context",
-]
+__all__ = ["DRAIN_GRACE_S", "PROXY_KEY", "Proxy", "make_proxy_app"]
 
 log = structlog.get_logger("kvctl.proxy")
 access_log = structlog.get_logger("kvctl.access")
 
 # routes polled many times a second: no access-log line
 QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
-# after the drain: how long the ended streams get to send their error event, and other relays to finish
-DRAIN_GRACE_S = 2.0
 
 
 class Proxy:
@@ -136,12 +125,13 @@ class Proxy:
         self.handover = Handover(config, self.upstream)
         self.replay.peers, self.replay.handover = self.peers, self.handover
         self.drainer = Drain(config, self.tracker, self.peers, self.state, self.metrics, self.handover)
-        self.drainer.others = lambda: self.passing
+        self.others = Relayed(
+            config, gate, self.upstream, self.relay, self.errors, self.metrics, self.ownership, self.models_cache
+        )
+        self.drainer.others = lambda: self.others.passing
         self._active: set[asyncio.Task[Any]] = set()  # every handler running now
         self._idle = asyncio.Event()
         self._idle.set()
-        self._held = 0  # requests other than generations waiting in hold() for the server
-        self.passing = 0  # requests other than generations relayed now
         self.link: KeeperLink | None = None
         self.takeover: Takeover | None = None
 
@@ -160,14 +150,6 @@ class Proxy:
     @property
     def draining(self) -> bool:
         return self.state.draining
-
-    @property
-    def restarts(self) -> Callable[[], int] | None:
-        return self.state.restarts
-
-    @restarts.setter
-    def restarts(self, value: Callable[[], int] | None) -> None:
-        self.state.restarts = value
 
     @property
     def endpoint(self) -> EndpointMetrics | None:
@@ -193,28 +175,7 @@ class Proxy:
         self.state.draining = True
         self.state.drain_peers = ()  # shutting down: new requests get 503, not a peer's relay cut at the deadline
         timeout = self.config.drain_s if timeout_s is None else timeout_s
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        left = list(self.inflight.values())
-        for entry in left:
-            entry.end(Stop.SHUTDOWN)
-        if left:
-            log.warning("proxy.drain_ended_streams", count=len(left), after_s=timeout)
-        # what is not a generation (a relayed download, a conversation stream) ends with its connection
-        rest = [t for t in self._active if not t.done()]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), DRAIN_GRACE_S)
-        for t in rest:
-            t.cancel()
-        return len(left)
-
-    async def drain_to_peers(
-        self, peers: Sequence[str] | None, stop_server: Callable[[], Awaitable[None]] | None
-    ) -> DrainOutcome:
-        """Move every request to ``peers`` (default proxy.drain_peers) and stop the server once it holds none
-        (controller.proxy.drain); KvctlError when a drain runs already or there is no peer."""
-        urls = [p.rstrip("/") for p in peers] if peers else list(self.config.drain_peers)
-        return await self.drainer.run(urls, stop_server)
+        return await self.drainer.shutdown(timeout, self._idle, self._active)
 
     def fail(self, message: str) -> int:
         """The supervisor gave up on the server: every request that needs it is answered at once with ``message``
@@ -222,21 +183,6 @@ class Proxy:
         on) end now; returns how many ended."""
         self.state.failed = message
         return self.tracker.end(Stop.FAILED)
-
-    def end_replaced(self) -> int:
-        """A planned restart with another model: every request sent to the server ends now (its protocol's error,
-        ``server_replaced``); those still queued go to the new one."""
-        ended = 0
-        for entry in list(self.inflight.values()):
-            if entry.state is not Phase.QUEUED:
-                entry.end(Stop.REPLACED)
-                ended += 1
-        return ended
-
-    def end_waiting(self) -> int:
-        """End every request still waiting for the server's response to start (an attached server stopped answering
-        and did not come back within proxy.replay_timeout_s)."""
-        return self.tracker.end(Stop.HUNG, Phase.UPSTREAM)
 
     def priority_class_of(self, priority: int) -> str:
         """The priority_class label of a priority (high, normal, low): never the number itself."""
@@ -285,7 +231,7 @@ class Proxy:
             return refused, None
         if request.method == "OPTIONS":
             # a CORS preflight: browsers send no credentials, and the server answers it before any check
-            return await self.passthrough(RequestContext(request, None)), None
+            return await self.others.passthrough(RequestContext(request, None)), None
         route = self.routes.lookup(request.method, request.path)
         if self.front.is_metrics(request, route):
             return await self.front.endpoint_metrics(request), None
@@ -297,7 +243,7 @@ class Proxy:
             return loading_response(await self.errors.cors(request)), None
         ident = await self.front.authenticate(request)
         if isinstance(ident, AskServer):
-            return await self.passthrough(RequestContext(request, None, asset_probe=True)), None
+            return await self.others.passthrough(RequestContext(request, None, asset_probe=True)), None
         if not isinstance(ident, Identity):
             return ident, None
         refused = await self.front.turn_away(request, route, ident)
@@ -306,81 +252,16 @@ class Proxy:
         ctx = RequestContext(request, route, ident)
         if route is not None and route.kind is Kind.GENERATION:
             return await self.generation(ctx, route), ident
-        held = await self.hold(ctx)
+        held = await self.others.hold(ctx)
         if held is not None:
             return held, ident
         if route is not None and route.kind is Kind.SLOTS:
             ctx.slots_view = True
         if route is not None and route.kind is Kind.CONTROL:
-            return await self.control(ctx), ident
+            return await self.others.control(ctx), ident
         if route is not None and route.kind is Kind.CONVERSATION and self.ownership.several_keys:
-            return await self.scoped(ctx, route), ident
-        return await self.passthrough(ctx), ident
-
-    async def hold(self, ctx: RequestContext) -> web.StreamResponse | None:
-        """A request that is not a generation, while the server is coming back: the model list as the server last
-        answered it, else a wait for the server (proxy.replay_timeout_s). None: go on now."""
-        if self.gate.down_since is None:
-            return None
-        route, request = ctx.route, ctx.request
-        if route is not None and self.relay.cacheable(ctx):
-            cached = self.models_cache.response(route.path, await self.errors.cors(request))
-            if cached is not None:
-                self.metrics.count(request.path, 200)
-                return cached
-        if self._held >= self.config.queue_depth:
-            # as many wait here as may wait for admission: past it, what a full queue answers
-            message = f"{self._held} requests are waiting for llama-server to come back"
-            return await self.errors.service_unavailable(request, message, Code.QUEUE_FULL)
-        self._held += 1
-        try:
-            up = await self.gate.wait_up(self.config.replay_timeout_s)
-        finally:
-            self._held -= 1
-        if up:
-            return None
-        if self.gate.refuse_reason is not None:
-            return await self.errors.service_unavailable(request, self.gate.refuse_reason, self.gate.refuse_code)
-        return await self.errors.restarting(request)
-
-    async def passthrough(self, ctx: RequestContext, body: bytes | None = None) -> web.StreamResponse:
-        """Anything that is not a generation: relayed as it is, streamed, with its encodings untouched."""
-        self.passing += 1  # a drain stops the server only once these are answered too
-        try:
-            return await self._passthrough(ctx, body)
-        finally:
-            self.passing -= 1
-
-    async def _passthrough(self, ctx: RequestContext, body: bytes | None) -> web.StreamResponse:
-        request, route = ctx.request, ctx.route
-        ctx.body = await request.read() if body is None else body
-        # an asset probe (kvctl's keys, none given) carries no credential: the headers drop kvctl's keys
-        ctx.headers = self.upstream.headers(ctx, generation=False)
-        if ctx.slots_view or self.relay.cacheable(ctx):
-            ctx.headers["Accept-Encoding"] = "identity"  # kvctl reads the answer (proxy/slots.py, proxy/restart.py)
-        ctx.raw = route is not None and route.kind is Kind.CONVERSATION and request.method == "GET"
-        return await self.relay.forward(ctx)
-
-    async def scoped(self, ctx: RequestContext, route: Route) -> web.StreamResponse:
-        """Conversation streams act only on what the same key started."""
-        owner = ctx.ident.name if ctx.ident is not None else None
-        if route.path == "/v1/streams/lookup":
-            ctx.lookup_owner = owner
-            return await self.passthrough(ctx)
-        if route.path == "/v1/stream":
-            ctx.query = self.ownership.scope_query(ctx.request.query_string, owner)
-            # no body: cpp-httplib would read a form body's conv_id into the same parameters, past the check above
-            return await self.passthrough(ctx, body=b"")
-        return await self.passthrough(ctx)
-
-    async def control(self, ctx: RequestContext) -> web.StreamResponse:
-        """``/v1/chat/completions/control`` acts on a running completion by the id its client knows."""
-        owner = ctx.ident.name if ctx.ident is not None else None
-        try:
-            body = self.ownership.scope_control(await ctx.request.read(), owner)
-        except BadRequest as e:
-            return await self.errors.kvctl_error(ctx.request, e.status, e.message, e.code)
-        return await self.passthrough(ctx, body=body)
+            return await self.others.scoped(ctx, route), ident
+        return await self.others.passthrough(ctx), ident
 
     async def generation(self, ctx: RequestContext, route: Route) -> web.StreamResponse:
         """A request that takes cells: inspected, given its priority, admitted, then forwarded and relayed."""
@@ -516,23 +397,3 @@ def make_proxy_app(
 
 
 PROXY_KEY = web.AppKey("kvctl_proxy", Proxy)
-
-
-def tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
-    """The public listener's TLS from a certificate chain and its key (PEM), or None for plain HTTP."""
-    if not cert_file:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert_file, key_file or None)
-    return ctx
-
-
-async def run_site(
-    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
-) -> Callable[[], Awaitable[None]]:
-    """Serve app; a client that hangs up cancels its handler, so the upstream request ends at once."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    await site.start()
-    return runner.cleanup

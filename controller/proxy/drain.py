@@ -19,9 +19,11 @@ SIGTERM when ``proxy.drain_peers`` is set).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -35,6 +37,9 @@ from controller.proxy.peers import Peers
 __all__ = ["Drain", "DrainOutcome"]
 
 log = structlog.get_logger("kvctl.drain")
+
+# after the drain: how long the ended streams get to send their error event, and other relays to finish
+DRAIN_GRACE_S = 2.0
 
 _TICK_S = 0.05
 
@@ -83,7 +88,28 @@ class Drain:
         self._turn = (self._turn + 1) % len(usable)
         return usable[self._turn :] + usable[: self._turn]
 
-    async def run(self, urls: Sequence[str], stop_server: Callable[[], Awaitable[None]] | None) -> DrainOutcome:
+    async def shutdown(self, timeout_s: float, idle: asyncio.Event, active: set[asyncio.Task[Any]]) -> int:
+        """kvctl stops: the open requests get ``timeout_s`` to finish (``idle`` once none runs), then the rest end
+        with their protocol's error, and what is not a generation ends with its connection; how many were ended."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle.wait(), timeout_s)
+        left = list(self.tracker.inflight.values())
+        for entry in left:
+            entry.end(Stop.SHUTDOWN)
+        if left:
+            log.warning("proxy.drain_ended_streams", count=len(left), after_s=timeout_s)
+        # what is not a generation (a relayed download, a conversation stream) ends with its connection
+        rest = [t for t in active if not t.done()]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle.wait(), DRAIN_GRACE_S)
+        for t in rest:
+            t.cancel()
+        return len(left)
+
+    async def run(self, peers: Sequence[str] | None, stop_server: Callable[[], Awaitable[None]] | None) -> DrainOutcome:
+        """Move every request to ``peers`` (default proxy.drain_peers) and stop the server once it holds none;
+        KvctlError when a drain runs already or there is no peer."""
+        urls = [p.rstrip("/") for p in peers] if peers else list(self.config.drain_peers)
         if self._lock.locked():
             raise KvctlError(409, Code.DRAIN_IN_PROGRESS, "a drain is already under way")
         if self.done:

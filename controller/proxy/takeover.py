@@ -19,6 +19,7 @@ A stream the worker ends (its client left, kvctl ended it, a drain moved it) end
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,6 +28,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from controller.keeper_conns import RECORD_BYTES
 from controller.keeper_link import KeeperLink
 from controller.keys import Identity
 from controller.proxy.context import Broken, Phase, RequestContext
@@ -78,6 +80,30 @@ class Takeover:
         self.proxy = proxy
         self.link = link
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def serve(self, app: web.Application, max_body: int, abandoned: list[str]) -> Callable[[], Awaitable[None]]:
+        """Serve the proxy's ``app`` on the pairs the keeper passes in, and ``POST /resume`` on the resume pairs;
+        end the server's streams of ``abandoned`` requests. Returns the cleanup."""
+        resumes = web.Application(client_max_size=max_body + RECORD_BYTES + (1 << 20))
+        resumes.router.add_post("/resume", self.resume)
+        runners = [web.AppRunner(a, handler_cancellation=True, access_log=None) for a in (app, resumes)]
+        for runner in runners:
+            await runner.setup()
+        assert runners[0].server is not None and runners[1].server is not None
+        self.link.serve(runners[0].server, runners[1].server)
+        if abandoned:
+            self._spawn(self.end_abandoned(abandoned))
+
+        async def cleanup() -> None:
+            for runner in runners:
+                await runner.cleanup()
+
+        return cleanup
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # --- the server's streams ---------------------------------------------------------------------------------
 
@@ -135,9 +161,7 @@ class Takeover:
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 log.warning("takeover.end_failed", conversation=conv, error=str(e))
 
-        task = asyncio.get_running_loop().create_task(delete())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(delete())
 
     async def end_abandoned(self, keys: list[str]) -> None:
         """Requests whose clients left while no worker ran: their streams end on the server."""

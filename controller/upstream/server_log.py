@@ -120,6 +120,25 @@ class ServerOutput:
             raise
         self.stdout, self.stderr = writes[0], writes[1]
 
+    @classmethod
+    def adopted(cls, log_file: Path | None, read_ends: list[int], lines: int = TAIL_LINES) -> ServerOutput:
+        """The output of a server a previous kvctl worker started (under the keeper): its log file from here on, or
+        the read ends of its pipes, which the keeper kept open."""
+        if log_file is not None:
+            for fd in read_ends:
+                os.close(fd)
+            return cls(log_file, lines)
+        out = cls.__new__(cls)
+        out._tail, out._copies, out._reader, out._offset, out._child = Tail(lines), [], None, 0, []
+        out._pipes = list(zip(read_ends, (1, 2), strict=False))
+        out.stdout, out.stderr = 1, 2
+        return out
+
+    def read_ends(self) -> list[int]:
+        """The pipes' read ends (before spawned()): the keeper keeps copies, so that the server's writes never meet
+        a closed pipe while no worker reads them."""
+        return [read for read, _ in self._pipes]
+
     def _close_child_ends(self) -> None:
         for end in self._child:
             if isinstance(end, int):

@@ -37,6 +37,7 @@ from typing import Any
 
 import structlog
 
+from controller.keeper_link import KeeperLink
 from controller.metrics import Metrics
 from controller.settings import Settings, sse_ping_interval
 from controller.upstream.client import UpstreamClient, UpstreamError
@@ -163,6 +164,30 @@ def spawn_argv(settings: Settings, argv: list[str] | None = None) -> list[str]:
     return argv
 
 
+class Adopted:
+    """A server a previous kvctl worker started (under the keeper, which reaps it): ``pid``, ``returncode`` and
+    ``wait()`` as asyncio's Process has them, through a pidfd."""
+
+    def __init__(self, pid: int, keeper: KeeperLink) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._keeper = keeper
+        self._fd = os.pidfd_open(pid)
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            loop = asyncio.get_running_loop()
+            gone = loop.create_future()
+            loop.add_reader(self._fd, lambda: gone.done() or gone.set_result(None))
+            try:
+                await gone
+            finally:
+                loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self.returncode = await self._keeper.exit_status(self.pid)
+        return self.returncode
+
+
 class Supervisor:
     """Spawns, watches and restarts one llama-server; see the module docstring."""
 
@@ -191,6 +216,11 @@ class Supervisor:
         self._answered = False  # the control loop's poll reached the server this start launched (answered())
         self.failed = asyncio.Event()
         """Set on entering FAILED."""
+        self.keeper: KeeperLink | None = None
+        """Under the keeper: the server outlives this worker (no parent-death signal), and the keeper learns of it."""
+        self.adopt: dict[str, Any] | None = None
+        """A server a previous worker started, to watch instead of starting one (its pid; fds: its pipes)."""
+        self.adopt_fds: list[int] = []
         self._health = UpstreamClient(
             str(settings.upstream.url), api_key=settings.upstream.api_key, timeout_s=settings.upstream.timeout_s
         )
@@ -326,6 +356,13 @@ class Supervisor:
         self._answered = False  # a poll answered before this start was the last server's
         self.status.ready_since_unix = None
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}  # systemd's socket is kvctl's
+        adopted = self._adopted()
+        if adopted is not None:
+            proc, out = adopted
+            try:
+                return await self._watch(proc, out)
+            finally:
+                out.close()
         out = ServerOutput(self.settings.supervisor.log_file)
         try:
             try:
@@ -336,7 +373,8 @@ class Supervisor:
                     stderr=out.stderr,
                     start_new_session=True,
                     env=env,
-                    preexec_fn=functools.partial(die_with_parent, os.getpid()),  # a prctl, see die_with_parent()
+                    # a prctl, see die_with_parent(); under the keeper the server outlives a worker that dies
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()) if self.keeper is None else None,
                 )
             except OSError as e:
                 log.error("supervisor.spawn_failed", argv0=self.status.argv[0], error=str(e))
@@ -348,12 +386,33 @@ class Supervisor:
                     log_tail=(f"kvctl: cannot start {self.status.argv[0]}: {e}",),
                 )
                 return False
+            if self.keeper is not None:
+                self.keeper.server_started(proc.pid, out.read_ends())
             out.spawned()
             return await self._watch(proc, out)
         finally:
             out.close()
 
-    async def _watch(self, proc: asyncio.subprocess.Process, out: ServerOutput) -> bool:
+    def _adopted(self) -> tuple[Any, ServerOutput] | None:
+        """The server a previous worker started, when it still runs: watched as if started here."""
+        adopt, fds = self.adopt, self.adopt_fds
+        self.adopt, self.adopt_fds = None, []
+        if adopt is None or self.keeper is None or not isinstance(adopt.get("pid"), int):
+            for fd in fds:
+                os.close(fd)
+            return None
+        try:
+            proc = Adopted(adopt["pid"], self.keeper)
+        except OSError:  # gone meanwhile: start one
+            for fd in fds:
+                os.close(fd)
+            return None
+        log.info("supervisor.adopted", pid=proc.pid)
+        out = ServerOutput.adopted(self.settings.supervisor.log_file, fds)
+        out.spawned()
+        return proc, out
+
+    async def _watch(self, proc: Any, out: ServerOutput) -> bool:
         self._proc = proc
         self.status.pid = proc.pid
         self.status.starts += 1
@@ -386,7 +445,7 @@ class Supervisor:
             log.error(event, pid=proc.pid, returncode=rc, signal=info.signal, uptime_s=round(info.uptime_s, 3))
         return ready
 
-    async def _wait_ready(self, proc: asyncio.subprocess.Process) -> bool:
+    async def _wait_ready(self, proc: Any) -> bool:
         """/health 200 or the control loop's answered poll (True), or the child's exit (False), whichever comes
         first."""
         cfg = self.settings.supervisor

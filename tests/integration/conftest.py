@@ -13,8 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.admission import AdmissionGate
-from controller.proxy.app import make_proxy_app, run_site
+from controller.proxy.app import make_proxy_app
 from controller.proxy.config import ProxyConfig
+from controller.proxy.site import run_site
 from testkit import models
 from testkit.llama import ServerProcess, free_port
 from tests.harness import ProxyFactory, ServerFactory

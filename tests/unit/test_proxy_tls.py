@@ -10,8 +10,9 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.proxy.app import make_proxy_app, run_site, tls_context
+from controller.proxy.app import make_proxy_app
 from controller.proxy.config import ProxyConfig
+from controller.proxy.site import run_site, tls_context
 from testkit.llama import free_port
 
 

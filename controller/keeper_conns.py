@@ -1,0 +1,395 @@
+"""The keeper's connections (controller.keeper): HTTP/1.1 framing, and each client connection's request in flight
+relayed to a worker over a socket pair, with what the keeper keeps of it to hand it to the next worker.
+
+A request's bytes are kept until its response is whole; a response is delivered in whole pieces only (its head, each
+chunk whole, a body of known length up to HOLD_BYTES whole), so that the client never holds half of something the
+next worker would have to finish. Standard library only, like the keeper.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import sys
+import time
+from typing import Any
+
+HOLD_BYTES = 1 << 20  # a response of known length up to this is delivered whole, or not at all
+RECORD_BYTES = 16 << 20  # the body of a chunked response kept for a resume (past it: not resumable)
+HEAD_MAX = 64 << 10
+EOF_GRACE_S = 0.3  # a pair that ends mid-response: the worker's abort, unless the worker turns out dead
+
+
+def log(event: str, **kw: object) -> None:
+    kw = {"event": event, "logger": "kvctl.keeper", "level": "info", **kw}
+    print(json.dumps(kw, default=str), file=sys.stderr, flush=True)
+
+
+def parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    """The start line and the headers (lower-case names; repeated ones joined with ', ')."""
+    start, *rest = head.decode("latin-1").split("\r\n")
+    fields: dict[str, str] = {}
+    for line in rest:
+        if ":" in line:
+            name, _, value = line.partition(":")
+            key = name.strip().lower()
+            fields[key] = f"{fields[key]}, {value.strip()}" if key in fields else value.strip()
+    return start, fields
+
+
+class Chunks:
+    """A chunked body as it arrives: ``feed`` gives back each whole chunk (size line to its CRLF) and the payload."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.done = False
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        self.buf += data
+        out = []
+        while not self.done:
+            eol = self.buf.find(b"\r\n")
+            if eol < 0:
+                break
+            size = int(bytes(self.buf[:eol]).split(b";")[0].strip() or b"0", 16)
+            if size == 0:  # the last chunk, then trailers up to an empty line
+                end = self.buf.find(b"\r\n\r\n", eol)
+                if end < 0:
+                    break
+                out.append((bytes(self.buf[: end + 4]), b""))
+                del self.buf[: end + 4]
+                self.done = True
+                break
+            total = eol + 2 + size + 2
+            if len(self.buf) < total:
+                break
+            whole = bytes(self.buf[:total])
+            del self.buf[:total]
+            out.append((whole, whole[eol + 2 : eol + 2 + size]))
+        return out
+
+
+class Message:
+    """One HTTP/1.1 message's framing: its head, then its body by Content-Length, chunks, or none."""
+
+    def __init__(self) -> None:
+        self.head: bytes | None = None
+        self.start = ""
+        self.fields: dict[str, str] = {}
+        self.chunks: Chunks | None = None
+        self.left = 0  # bytes of a Content-Length body still to come
+        self.held = bytearray()  # a body of known length, held until whole
+
+    def take_head(self, buf: bytearray) -> bool:
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > HEAD_MAX:
+                raise ValueError("head too large")
+            return False
+        self.head = bytes(buf[: end + 4])
+        del buf[: end + 4]
+        self.start, self.fields = parse_head(self.head)
+        if "chunked" in self.fields.get("transfer-encoding", "").lower():
+            self.chunks = Chunks()
+        else:
+            self.left = int(self.fields.get("content-length", "0") or 0)
+        return True
+
+
+class Conn:
+    """A client connection and the request in flight on it."""
+
+    def __init__(self, ident: int, sock: socket.socket) -> None:
+        self.id, self.sock = ident, sock
+        self.inbuf = bytearray()  # bytes read from the client not yet part of a request
+        self.req = bytearray()  # the request in flight, whole as far as read
+        self.rmsg: Message | None = None  # its framing
+        self.req_end = False
+        self.seq = -1  # requests started on this connection
+        self.pair: socket.socket | None = None
+        self.worker: Any = None  # the keeper's Worker serving this request
+        self.sent = 0  # bytes of req written to the pair
+        self.resp = bytearray()  # the response's bytes from the pair, not yet parsed
+        self.smsg: Message | None = None
+        self.head_out: bytes | None = None  # the response head the client has
+        self.record: bytearray | None = bytearray()  # the chunked body the client has (None: too large)
+        self.cut = False  # a response of unknown continuation under way: cannot be handed over
+        self.out = bytearray()  # to write to the client
+        self.resume = False  # the pair carries a resume, not the request
+        self.eof_at: float | None = None
+        self.close_after = False
+        self.closing = False  # close once what is left to write is written
+        self.continued = False  # a 100 Continue went to the client for this request
+        self.method = ""
+        self.tunnel = False
+        self.again = False  # the request went to a worker that died before answering it
+
+
+class Connections:
+    """Every client connection, and the request in flight on each; the keeper (a subclass) says which worker serves
+    (``worker``) and sends it messages (``send``)."""
+
+    sel: selectors.BaseSelector
+    conns: dict[int, Conn]
+    next_id: int
+    abandoned: list[str]
+    worker: Any
+
+    def send(self, w: Any, msg: dict[str, object], fds: list[int] | None = None) -> bool:
+        raise NotImplementedError
+
+    def accept(self, lsock: socket.socket) -> None:
+        try:
+            sock, _ = lsock.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.next_id += 1
+        c = Conn(self.next_id, sock)
+        self.conns[c.id] = c
+        self.sel.register(sock, selectors.EVENT_READ, ("client", c))
+
+    def on_client(self, c: Conn) -> None:
+        try:
+            data = c.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close(c)
+            return
+        if c.tunnel:
+            self.to_pair(c, data)
+            return
+        c.inbuf += data
+        self.take_request(c)
+
+    def take_request(self, c: Conn) -> None:
+        """Move the client's bytes into the request in flight (a new one when none is)."""
+        if c.rmsg is None:
+            if not c.inbuf or c.smsg is not None or c.pair is not None:
+                return
+            m = Message()
+            try:
+                if not m.take_head(c.inbuf):
+                    return
+            except ValueError:
+                self.close(c)
+                return
+            assert m.head is not None
+            c.rmsg, c.req, c.req_end, c.seq, c.sent = m, bytearray(m.head), False, c.seq + 1, 0
+            c.head_out, c.record, c.cut, c.resume, c.again = None, bytearray(), False, False, False
+            method = m.start.split(" ")[0]
+            c.close_after = m.fields.get("connection", "").lower() == "close" or m.start.endswith("HTTP/1.0")
+            c.method = method
+            if m.chunks is None and m.left == 0:
+                c.req_end = True
+        m = c.rmsg
+        if not c.req_end and c.inbuf:
+            if m.chunks is not None:
+                for whole, _ in m.chunks.feed(bytes(c.inbuf)):
+                    c.req += whole
+                c.inbuf = bytearray(m.chunks.buf)
+                m.chunks.buf.clear()
+                c.req_end = m.chunks.done
+            else:
+                take = c.inbuf[: m.left]
+                del c.inbuf[: m.left]
+                c.req += take
+                m.left -= len(take)
+                c.req_end = m.left == 0
+        self.dispatch(c)
+
+    def dispatch(self, c: Conn) -> None:
+        """Give the request in flight a pair to a serving worker, and write what it lacks of the request."""
+        if c.rmsg is None or (self.worker is None or self.worker.state != "serving"):
+            return
+        if c.pair is None:
+            a, b = socket.socketpair()
+            msg = {"op": "conn", "id": c.id, "seq": c.seq, "resume": c.head_out is not None, "again": c.again}
+            if not self.send(self.worker, msg, [b.fileno()]):
+                a.close()
+                b.close()
+                return
+            b.close()
+            a.setblocking(False)
+            c.pair, c.worker, c.sent, c.resp, c.smsg, c.eof_at = a, self.worker, 0, bytearray(), None, None
+            self.sel.register(a, selectors.EVENT_READ, ("pair", c))
+            if c.head_out is not None:
+                c.resume = True
+                body = bytes(c.req) + c.head_out + bytes(c.record or b"")
+                head = (
+                    f"POST /resume HTTP/1.1\r\nHost: keeper\r\nContent-Length: {len(body)}\r\n"
+                    f"X-Request-Bytes: {len(c.req)}\r\nX-Head-Bytes: {len(c.head_out)}\r\n\r\n"
+                )
+                self.to_pair(c, head.encode() + body)
+                c.sent = len(c.req)
+                return
+        if c.resume:
+            return
+        if c.sent < len(c.req):
+            self.to_pair(c, bytes(c.req[c.sent :]))
+            c.sent = len(c.req)
+
+    def to_pair(self, c: Conn, data: bytes) -> None:
+        assert c.pair is not None
+        c.pair.setblocking(True)  # the worker reads its pairs as fast as the loop runs; a large body blocks here
+        try:
+            c.pair.sendall(data)
+        except OSError:
+            pass  # the pair's end is read below
+        finally:
+            c.pair.setblocking(False)
+
+    def on_pair(self, c: Conn) -> None:
+        assert c.pair is not None
+        try:
+            data = c.pair.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            if c.tunnel:
+                self.close(c)
+            elif c.eof_at is None:
+                c.eof_at = time.monotonic()  # decided in tick(): the worker's abort, or its death
+                self.sel.unregister(c.pair)
+            return
+        if c.tunnel:
+            self.write(c, data)
+            return
+        c.resp += data
+        self.take_response(c)
+
+    def take_response(self, c: Conn) -> None:
+        while c.resp or (c.smsg is not None and c.smsg.head is not None and c.smsg.chunks is None and not c.smsg.left):
+            if c.smsg is None:
+                c.smsg = Message()
+            m = c.smsg
+            if m.head is None:
+                if not m.take_head(c.resp):
+                    return
+                status = int(m.start.split(" ")[1])
+                if c.resume:  # the resume's own head: the client has its response's head already
+                    if status != 200 or m.chunks is None:
+                        log("keeper.resume_refused", conn=c.id, status=status, level="warning")
+                        self.close(c)
+                        return
+                    continue
+                if 100 <= status < 200 and status != 101:
+                    if c.head_out is None and not c.continued:
+                        self.write(c, m.head)
+                        c.continued = True
+                    c.smsg = None
+                    continue
+                if status == 101:
+                    c.tunnel = True
+                    self.write(c, m.head + bytes(c.resp))
+                    c.resp.clear()
+                    return
+                if c.method == "HEAD" or status in (204, 304):
+                    m.chunks, m.left = None, 0
+                if m.chunks is not None or m.left > HOLD_BYTES:
+                    c.head_out = m.head
+                    c.cut = m.chunks is None
+                    self.write(c, m.head)
+                if m.chunks is None and m.left == 0:
+                    self.finish(c, m.head)
+                    return
+                continue
+            if m.chunks is not None:
+                for whole, payload in m.chunks.feed(bytes(c.resp)):
+                    self.write(c, whole)
+                    if c.record is not None and payload:
+                        c.record += payload
+                        if len(c.record) > RECORD_BYTES:
+                            c.record = None
+                c.resp = bytearray(m.chunks.buf)
+                m.chunks.buf.clear()
+                if m.chunks.done:
+                    self.finish(c, b"")
+                return
+            take = bytes(c.resp[: m.left])
+            del c.resp[: m.left]
+            m.left -= len(take)
+            if c.head_out is not None:  # a large body: streamed
+                self.write(c, take)
+                if not m.left:
+                    self.finish(c, b"")
+                return
+            m.held += take
+            if not m.left:
+                self.finish(c, m.head + bytes(m.held))
+            return
+
+    def finish(self, c: Conn, rest: bytes) -> None:
+        """The response is whole: the pair is done with, the next request may start."""
+        if rest:
+            self.write(c, rest)
+        if c.smsg is not None and c.smsg.fields.get("connection", "").lower() == "close":
+            c.close_after = True
+        self.drop_pair(c)
+        c.rmsg, c.smsg, c.req, c.head_out, c.record, c.resume = None, None, bytearray(), None, bytearray(), False
+        c.continued = False
+        if c.close_after:
+            c.closing = True
+            self.flush(c)
+            return
+        self.take_request(c)
+
+    def drop_pair(self, c: Conn) -> None:
+        if c.pair is not None:
+            if c.eof_at is None:
+                self.sel.unregister(c.pair)
+            c.pair.close()
+        c.pair, c.worker, c.eof_at = None, None, None
+
+    def orphan(self, c: Conn) -> None:
+        """Its worker died: the request goes to the next one, as a resume when the client has part of a response."""
+        if c.rmsg is None:
+            self.drop_pair(c)
+            return
+        if c.tunnel or c.cut or (c.head_out is not None and c.record is None):
+            log("keeper.connection_lost", conn=c.id, reason="a response that cannot be continued", level="warning")
+            self.close(c)
+            return
+        self.drop_pair(c)
+        c.again = True
+        log("keeper.held", conn=c.id, seq=c.seq, resume=c.head_out is not None)
+        self.dispatch(c)
+
+    def write(self, c: Conn, data: bytes) -> None:
+        c.out += data
+        self.flush(c)
+
+    def flush(self, c: Conn) -> None:
+        try:
+            while c.out:
+                n = c.sock.send(c.out)
+                del c.out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.close(c)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.out else 0)
+        if c.id in self.conns:
+            self.sel.modify(c.sock, events, ("client", c))
+            if not c.out and c.closing:
+                self.close(c)
+
+    def close(self, c: Conn) -> None:
+        if self.conns.pop(c.id, None) is None:
+            return
+        if c.rmsg is not None and c.pair is None and c.seq >= 0:
+            self.abandoned.append(f"{c.id}-{c.seq}")  # a next worker ends what the server still runs for it
+        self.drop_pair(c)
+        self.sel.unregister(c.sock)
+        c.sock.close()
+
+    # --- the loop -----------------------------------------------------------------------------------------------
