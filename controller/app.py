@@ -390,10 +390,19 @@ class App:
             if self._loop_alive() and not self.loop.stalled(interval * 2):
                 sd_notify(sock, b"WATCHDOG=1")
 
+    def _keeper_lost(self) -> None:
+        """The keeper died (the one case documented as lost): its clients' connections went with it, so this worker
+        goes too, at once, as the whole of kvctl did before the keeper (a spawned server with it, SIGKILL)."""
+        log.error("keeper.lost", reason="the keeper process exited: every client connection is gone")
+        if self.supervisor is not None:
+            self.supervisor.kill_now()
+        os._exit(1)
+
     async def _keeper_hello(self) -> list[socket.socket]:
         """The keeper binds the listeners (once, for every worker) and says when this worker takes over: at once,
         or, on a reload, once the worker before it is gone."""
         assert self.link is not None
+        self.link.on_lost = self._keeper_lost
         self.link.start()
         admin = await self.link.hello(
             split_host_port(self.settings.proxy.listen), split_host_port(self.settings.admin.listen)

@@ -53,6 +53,7 @@ class KeeperLink:
         self._serve: Callable[[dict[str, Any], socket.socket], None] | None = None
         self._early: list[tuple[dict[str, Any], socket.socket]] = []
         self.lost = asyncio.Event()  # the keeper is gone: nothing more reaches this worker
+        self.on_lost: Callable[[], None] | None = None
         self._seen: set[tuple[int, int]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reloads_failed = 0
@@ -81,6 +82,8 @@ class KeeperLink:
             if not data:
                 asyncio.get_running_loop().remove_reader(self.sock.fileno())
                 self.lost.set()
+                if self.on_lost is not None:
+                    self.on_lost()
                 return
             fds: list[int] = []
             for level, kind, payload in anc:

@@ -306,6 +306,12 @@ class Supervisor:
         kill_group(proc.pid)
         return True
 
+    def kill_now(self) -> None:
+        """SIGKILL the server's group, whatever the state (kvctl goes down at once: its keeper died)."""
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            kill_group(proc.pid)
+
     async def restart(self, argv: list[str] | None = None, timeout_s: float | None = None) -> bool:
         """A planned restart: the server is killed (SIGKILL: kvctl has checkpointed its requests, nothing in it is
         left to save) and started again at once, with ``argv`` when given (``supervisor.spawn``'s form); between

@@ -87,6 +87,8 @@ class KvctlProcess:
     proxy_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     proc: asyncio.subprocess.Process | None = None
+    pre: list[str] = field(default_factory=list)  # arguments before ``run`` (--config FILE)
+    extra: list[str] = field(default_factory=list)  # more ``run`` arguments (--spawn -- ARGV last)
 
     @property
     def proxy(self) -> str:
@@ -104,6 +106,7 @@ class KvctlProcess:
                 sys.executable,
                 "-m",
                 "controller.cli",
+                *self.pre,
                 "run",
                 "--upstream",
                 self.upstream,
@@ -111,6 +114,7 @@ class KvctlProcess:
                 f"127.0.0.1:{self.proxy_port}",
                 "--admin",
                 f"127.0.0.1:{self.admin_port}",
+                *self.extra,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,

@@ -1,0 +1,344 @@
+"""kvctl's own crash, upgrade and reload lose no chat: the keeper (controller/keeper.py) holds the clients'
+connections while the worker is SIGKILLed or replaced, and the next worker continues every stream from the server's
+own stream of it (no token evaluated again, parked snapshots kept, the server never restarted).
+
+Real patched server, SmolLM2-135M-Instruct, real clients (the openai and anthropic SDKs, aiohttp for the native
+route). Each stream's raw SSE is read through the SDK's streaming response, so that the token ids kvctl asks the
+server to announce (``: tokens``) can be checked: every id exactly once (they detokenize to the text the client got),
+``usage`` counting them all, no error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from testkit import realmodels
+from testkit.llama import free_port, get_json, parse_metrics
+from tests.harness import ServerFactory, require_module
+from tests.integration.faults import ROOT, KvctlProcess
+
+pytestmark = pytest.mark.server
+
+openai = require_module("openai", "openai")
+anthropic = require_module("anthropic", "anthropic")
+
+N_PREDICT = 96
+# 10 streams on 8 slots (two queued in kvctl) and two non-streaming requests; the pool holds about 7 of the
+# requests' prompts and answers at once, so some are parked while the worker is killed
+POOL = ("-c", "1024", "-np", "8", "-kvu", "--slots", "--metrics", "--no-cache-prompt", "--cache-ram", "0")
+ENV = {"KVCTL_POLICY__PARK_TIER": "ram", "KVCTL_LOG__LEVEL": "info"}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return realmodels.model_path("smollm2")
+
+
+@dataclass
+class Seen:
+    """One request as its client saw it."""
+
+    kind: str
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    usage: int | None = None  # output tokens as the final event (or the answer) counts them
+    prompt: int | None = None
+    final: bool = False
+    errors: list[str] = field(default_factory=list)
+
+
+def _data(line: str) -> Any:
+    return json.loads(line[5:]) if line.startswith("data:") and line[5:].strip() != "[DONE]" else None
+
+
+def _take(seen: Seen, line: str) -> None:
+    """One SSE line of any protocol: ids, text, usage, the end, errors."""
+    if line.startswith(": tokens"):
+        seen.ids += [int(t) for t in line.split()[2:]]
+        return
+    if line.startswith("data:") and line[5:].strip() == "[DONE]":
+        seen.final = True
+        return
+    doc = _data(line)
+    if not isinstance(doc, dict):
+        return
+    if "error" in doc or doc.get("type") == "error":
+        seen.errors.append(json.dumps(doc)[:300])
+        return
+    kind = seen.kind
+    if kind == "chat":
+        for c in doc.get("choices", []):
+            seen.text += c.get("delta", {}).get("content") or ""
+        if doc.get("usage"):
+            seen.usage, seen.prompt = doc["usage"]["completion_tokens"], doc["usage"]["prompt_tokens"]
+    elif kind == "completions":
+        for c in doc.get("choices", []):
+            seen.text += c.get("text") or ""
+        if doc.get("usage"):
+            seen.usage, seen.prompt = doc["usage"]["completion_tokens"], doc["usage"]["prompt_tokens"]
+    elif kind == "responses":
+        if doc.get("type") == "response.output_text.delta":
+            seen.text += doc["delta"]
+        if doc.get("type") == "response.completed":
+            u = doc["response"]["usage"]
+            seen.usage, seen.prompt, seen.final = u["output_tokens"], u["input_tokens"], True
+    elif kind == "messages":
+        if doc.get("type") == "content_block_delta":
+            seen.text += doc["delta"].get("text", "")
+        if doc.get("type") == "message_start":
+            seen.prompt = doc["message"]["usage"]["input_tokens"]
+        if doc.get("type") == "message_delta":
+            seen.usage = doc["usage"]["output_tokens"]
+        if doc.get("type") == "message_stop":
+            seen.final = True
+    elif kind == "native":
+        seen.text += doc.get("content", "")
+        if doc.get("stop"):
+            seen.usage, seen.prompt, seen.final = doc["tokens_predicted"], doc["tokens_evaluated"], True
+
+
+def _prompt(i: int) -> str:
+    return f"Story {i}: tell me a long story about a {['cat', 'dog', 'owl', 'fox', 'bee'][i % 5]} number {i}."
+
+
+async def _one(kind: str, i: int, base: str, http: aiohttp.ClientSession) -> Seen:
+    seen = Seen(kind)
+    extra = {"ignore_eos": True}
+    msgs = [{"role": "user", "content": _prompt(i)}]
+    try:
+        if kind in ("chat", "completions", "responses", "plain"):
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=300)
+            if kind == "plain":  # not streamed: the SDK parses the answer
+                async with client:
+                    r = await client.chat.completions.create(
+                        model="m", messages=msgs, max_tokens=N_PREDICT, temperature=0, extra_body=extra
+                    )
+                seen.text, seen.usage = r.choices[0].message.content or "", r.usage.completion_tokens
+                seen.prompt, seen.final = r.usage.prompt_tokens, True
+                return seen
+            if kind == "chat":
+                cm = client.chat.completions.with_streaming_response.create(
+                    model="m", messages=msgs, max_tokens=N_PREDICT, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body=extra,
+                )  # fmt: skip
+            elif kind == "completions":
+                cm = client.completions.with_streaming_response.create(
+                    model="m", prompt=_prompt(i), max_tokens=N_PREDICT, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body=extra,
+                )  # fmt: skip
+            else:
+                cm = client.responses.with_streaming_response.create(
+                    model="m", input=_prompt(i), max_output_tokens=N_PREDICT, temperature=0, stream=True,
+                    extra_body=extra,
+                )  # fmt: skip
+            async with client, cm as resp:
+                async for line in resp.iter_lines():
+                    _take(seen, line)
+        elif kind == "messages":
+            ac = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0, timeout=300)
+            async with (
+                ac,
+                ac.messages.with_streaming_response.create(
+                    model="m", messages=msgs, max_tokens=N_PREDICT, stream=True, extra_body={**extra, "temperature": 0}
+                ) as resp,
+            ):
+                async for line in resp.iter_lines():
+                    _take(seen, line)
+        else:
+            body = {"prompt": _prompt(i), "n_predict": N_PREDICT, "stream": True, **extra}
+            async with http.post(base + "/completion", json=body) as resp:
+                buf = b""
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    *done, buf = buf.split(b"\n")  # SSE split on \n only
+                    for raw in done:
+                        _take(seen, raw.decode().rstrip("\r"))
+    except Exception as e:  # what the client saw end its request: the test reports it
+        seen.errors.append(f"{type(e).__name__}: {e}")
+    return seen
+
+
+async def _check(seen: list[Seen], http: aiohttp.ClientSession, server: str) -> None:
+    for s in seen:
+        assert not s.errors, f"{s.kind}: {s.errors}"
+        assert s.final, f"{s.kind}: no final event"
+        assert s.usage == N_PREDICT, f"{s.kind}: usage counts {s.usage} tokens, not {N_PREDICT}"
+        if s.kind != "plain":
+            assert len(s.ids) == N_PREDICT, f"{s.kind}: {len(s.ids)} ids announced, not {N_PREDICT} (lost or twice)"
+            async with http.post(server + "/detokenize", json={"tokens": s.ids}) as r:
+                text = (await r.json())["content"]
+            assert text == s.text, f"{s.kind}: the ids say {text[:120]!r}, the client got {s.text[:120]!r}"
+
+
+async def _worker_pid(http: aiohttp.ClientSession, admin: str, other_than: int | None = None) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            async with http.get(admin + "/status") as r:
+                pid = int((await r.json())["keeper"]["pid"])
+            if pid != other_than:
+                return pid
+        except (aiohttp.ClientError, KeyError, TypeError, ValueError):
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("no worker answered /status")
+
+
+async def _reload(admin: str, *args: str) -> tuple[int, str, str]:
+    """``kvctl reload`` as an operator runs it: its exit code, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "controller.cli", "reload", "--admin", admin.removeprefix("http://"), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 150)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+KINDS = ("chat", "completions", "responses", "messages", "native") * 2 + ("plain",) * 2
+
+
+async def _evaluated(http: aiohttp.ClientSession, server: str) -> float:
+    async with http.get(server + "/metrics") as r:
+        return parse_metrics(await r.text())["llamacpp:prompt_tokens_total"]
+
+
+@pytest.mark.parametrize("seed", [7, 1913])
+async def test_sigkill_of_the_worker_at_random_points_loses_no_chat(
+    seed: int, smollm2: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Three SIGKILLs of the worker at random moments (mid-event included) while 10 streams of every protocol run
+    (some parked, two queued) and two answers are not streamed: every request completes exactly, the server is
+    neither restarted nor asked to evaluate a generated token again."""
+    srv = start_server(*POOL, model=smollm2)
+    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=ENV)
+    rng = random.Random(seed)
+    try:
+        await kv.start(http)
+        boot = (await get_json(http, srv.url + "/kv"))["server"]["boot_id"]
+        before = await _evaluated(http, srv.url)
+        tasks = [asyncio.create_task(_one(k, i, kv.proxy, http)) for i, k in enumerate(KINDS)]
+        pid = await _worker_pid(http, kv.admin)
+        for _ in range(3):
+            await asyncio.sleep(rng.uniform(0.3, 2.5))
+            os.kill(pid, signal.SIGKILL)
+            pid = await _worker_pid(http, kv.admin, other_than=pid)
+        seen = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        await _check(seen, http, srv.url)
+        assert (await get_json(http, srv.url + "/kv"))["server"]["boot_id"] == boot, "the server was restarted"
+        prompts = sum(s.prompt or 0 for s in seen)
+        evaluated = await _evaluated(http, srv.url) - before
+        # the plain answers may be sent again (their client saw nothing): at most their prompts and outputs
+        again_ok = sum((s.prompt or 0) + N_PREDICT for s in seen if s.kind == "plain")
+        assert evaluated <= prompts + again_ok, f"{evaluated} tokens evaluated for {prompts} of prompts"
+        events = kv.events()
+        assert not [e for e in events if e["event"] in ("replay.waiting", "replay.sent")], "continued by replay"
+        m = parse_metrics(await (await http.get(srv.url + "/metrics")).text())
+        assert m["llamacpp:slot_parks_total"] > 0, "nothing was parked: the pool is too large for the test"
+        assert m["llamacpp:slot_resumes_total"] == m["llamacpp:slot_parks_total"]
+        assert [e for e in events if e["event"] == "takeover.attached"], "no stream was taken over"
+    finally:
+        await kv.stop()
+
+
+async def test_reload_and_sighup_take_new_settings_and_keep_every_stream(
+    smollm2: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """kvctl reload (with a changed setting) and SIGHUP while streams run: nothing lost, the new HIGH in force; a
+    reload whose settings are invalid leaves the old worker serving and says so; the listen address cannot change
+    live and says that too."""
+    srv = start_server(*POOL, model=smollm2)
+    config = tmp_path / "kvctl.toml"
+    config.write_text("[policy]\nhigh = 0.94\n")
+    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=ENV, pre=["--config", str(config)])
+    try:
+        await kv.start(http)
+        tasks = [asyncio.create_task(_one(k, i, kv.proxy, http)) for i, k in enumerate(KINDS[:6])]
+        pid = await _worker_pid(http, kv.admin)
+        await asyncio.sleep(1.0)
+        config.write_text("[policy]\nhigh = 0.9\n")
+        code, out, err = await _reload(kv.admin, "--json")
+        assert code == 0, (out, err)
+        assert json.loads(out)["old_pid"] == pid
+        pid = await _worker_pid(http, kv.admin, other_than=pid)
+        status = await get_json(http, kv.admin + "/status")
+        assert status["pool"]["high"] == 0.9, status["pool"]
+        assert kv.proc is not None
+        os.kill(kv.proc.pid, signal.SIGHUP)
+        pid = await _worker_pid(http, kv.admin, other_than=pid)
+        seen = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        await _check(seen, http, srv.url)
+
+        config.write_text("[policy]\nhigh = 2\n")  # invalid: the new worker exits 2, the old one serves on
+        code, out, err = await _reload(kv.admin)
+        assert code == 1 and "serves on" in err, (code, out, err)
+        assert await _worker_pid(http, kv.admin) == pid
+        assert (await get_json(http, kv.admin + "/status"))["keeper"]["reloads_failed"] == 1
+    finally:
+        await kv.stop()
+
+
+async def test_spawned_server_survives_worker_crash_and_reload_with_its_parked_snapshots(
+    smollm2: Path, llama_server_bin: Path, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """kvctl run --spawn: the worker SIGKILLed while a request is parked (pinned) and another streams; the server
+    keeps running (same pid), the parked request resumes by swap from its snapshot, both complete exactly."""
+    port = free_port()
+    argv = [str(llama_server_bin), "-m", str(smollm2), "--port", str(port), "-t", "1", "--temp", "0", *POOL]
+    kv = KvctlProcess(f"http://127.0.0.1:{port}", tmp_path / "kvctl.log", env=ENV, extra=["--spawn", "--", *argv])
+    try:
+        await kv.start(http, timeout_s=120)
+        server = f"http://127.0.0.1:{port}"
+        spid = (await get_json(http, kv.admin + "/status"))["supervisor"]["pid"]
+        tasks = [asyncio.create_task(_one(k, i, kv.proxy, http)) for i, k in enumerate(("chat", "native"))]
+        slots: list[dict[str, Any]] = []
+
+        async def two_generating() -> bool:
+            nonlocal slots
+            slots = [s for s in await get_json(http, server + "/slots") if s["state"] == "generating"]
+            return len(slots) == 2 and all(s["n_decoded"] >= 8 for s in slots)
+
+        deadline = time.monotonic() + 60
+        while not await two_generating():
+            assert time.monotonic() < deadline, "two generating slots"
+            await asyncio.sleep(0.05)
+        async with http.post(kv.admin + f"/slots/{slots[0]['id']}/park") as r:
+            assert r.status == 200, await r.text()
+        pid = await _worker_pid(http, kv.admin)
+        os.kill(pid, signal.SIGKILL)
+        pid = await _worker_pid(http, kv.admin, other_than=pid)
+        status = await get_json(http, kv.admin + "/status")
+        assert status["supervisor"]["pid"] == spid, "the spawned server was restarted"
+        # the pin lived in the dead worker: the new one restores the parked request from its snapshot
+        seen = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        await _check(seen, http, server)
+        m = parse_metrics(await (await http.get(server + "/metrics")).text())
+        assert m["llamacpp:slot_parks_total"] >= 1 and m["llamacpp:slot_resumes_total"] >= 1
+        assert m.get("llamacpp:slot_resume_failures_total", 0) == 0
+        assert not [e for e in kv.events() if e["event"] in ("replay.waiting", "replay.sent")]
+        os.kill(pid, signal.SIGKILL)  # and once more, idle: the next worker adopts it again
+        await _worker_pid(http, kv.admin, other_than=pid)
+        assert (await get_json(http, kv.admin + "/status"))["supervisor"]["pid"] == spid
+    finally:
+        await kv.stop()
+
+
+def test_keeper_imports_nothing_but_the_standard_library(tmp_path: Path) -> None:
+    """What holds the connections depends on no third-party package: it runs with them all hidden."""
+    code = "import sys; sys.path = [p for p in sys.path if 'site-packages' not in p]; import controller.keeper"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([shutil.which("python3") or sys.executable, "-S", "-c", code], env=env, cwd=tmp_path)
+    assert done.returncode == 0
