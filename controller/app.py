@@ -112,6 +112,9 @@ def watchdog_interval_s() -> float:
     return int(usec) / 3e6 if usec.isdigit() and int(usec) > 0 else 10.0
 
 
+_SOURCE = os.path.dirname(os.path.abspath(__file__))  # where this worker's code is: an upgrade changes it
+
+
 class RouterMode(Exception):
     """The server is a router of several models; kvctl fronts one model's server."""
 
@@ -414,7 +417,8 @@ class App:
         else:
             for fd in fds:
                 os.close(fd)
-        log.info("keeper.took_over", epoch=self.link.epoch, abandoned=len(self._abandoned))
+        # where this worker's code is, which an upgrade changes (pip install, then kvctl reload)
+        log.info("keeper.took_over", epoch=self.link.epoch, abandoned=len(self._abandoned), source=_SOURCE)
         return admin
 
     async def run(self, stop: asyncio.Event) -> int:

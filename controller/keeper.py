@@ -38,6 +38,10 @@ import time
 
 from controller.keeper_conns import EOF_GRACE_S, Conn, Connections, log
 
+# what crosses from one worker to the next (these messages, the resume's framing, the conversation ids a worker names
+# its server streams by) is protocol 1; a worker names the protocols it speaks, the keeper (never replaced by a
+# reload) answers with its own or refuses the worker
+PROTOCOL = 1
 FD_ENV = "KVCTL_KEEPER_FD"
 EPOCH_ENV = "KVCTL_KEEPER_EPOCH"
 FAILED_STARTS = 5  # workers in a row that die before serving: give up
@@ -141,6 +145,11 @@ class Keeper(Connections):
 
     def on_hello(self, w: Worker, msg: dict[str, object]) -> None:
         listen, admin = msg.get("listen"), msg.get("admin")
+        spoken = msg.get("protocols")
+        if not isinstance(spoken, list) or PROTOCOL not in spoken:
+            error = f"this keeper speaks protocol {PROTOCOL}, the new worker {spoken}: restart kvctl to upgrade it"
+            self.send(w, {"op": "sockets", "error": error})
+            return
         if self.addr is None:
             try:
                 self.listeners = self.bind(listen, accept=True)
@@ -157,7 +166,12 @@ class Keeper(Connections):
                 asked=(listen, admin),
                 hint="listen addresses change only when kvctl restarts",
             )
-        self.send(w, {"op": "sockets", "epoch": self.epoch}, [s.fileno() for s in self.admin])
+        listening = {"listen": self.addr[0], "admin": self.addr[1]}
+        self.send(
+            w,
+            {"op": "sockets", "protocol": PROTOCOL, "epoch": self.epoch, **listening},
+            [a.fileno() for a in self.admin],
+        )
 
     def bind(self, addr: object, accept: bool) -> list[socket.socket]:
         host, port = addr  # type: ignore[misc]
@@ -244,7 +258,7 @@ class Keeper(Connections):
         if self.coming is not None:
             return  # replaced by a reload, or a new worker is starting already
         if self.exit_code is not None or self.signals:
-            self.exit_code = self.exit_code if self.exit_code is not None else code
+            self.exit_code = self.exit_code if self.exit_code is not None else code if code >= 0 else 128 - code
             return
         if was != "serving":
             self.failed_starts += 1
@@ -303,7 +317,10 @@ class Keeper(Connections):
                     if events & selectors.EVENT_READ and obj.id in self.conns:
                         self.on_client(obj)
                 elif kind == "pair" and obj.pair is key.fileobj:
-                    self.on_pair(obj)
+                    if events & selectors.EVENT_WRITE:
+                        self.flush_pair(obj)
+                    if events & selectors.EVENT_READ and obj.pair is key.fileobj:
+                        self.on_pair(obj)
                 elif kind == "ctrl":
                     self.on_ctrl(obj)
                 elif kind == "signal":

@@ -18,6 +18,8 @@ from typing import Any
 HOLD_BYTES = 1 << 20  # a response of known length up to this is delivered whole, or not at all
 RECORD_BYTES = 16 << 20  # the body of a chunked response kept for a resume (past it: not resumable)
 HEAD_MAX = 64 << 10
+BACKLOG = 1 << 20  # bytes waiting for one side before the keeper stops reading the other
+READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 EOF_GRACE_S = 0.3  # a pair that ends mid-response: the worker's abort, unless the worker turns out dead
 
 
@@ -90,10 +92,16 @@ class Message:
         self.head = bytes(buf[: end + 4])
         del buf[: end + 4]
         self.start, self.fields = parse_head(self.head)
-        if "chunked" in self.fields.get("transfer-encoding", "").lower():
+        te, cl = self.fields.get("transfer-encoding"), self.fields.get("content-length")
+        if te is not None:
+            if te.lower().split(",")[-1].strip() != "chunked":
+                raise ValueError("a transfer coding other than chunked last")
             self.chunks = Chunks()
-        else:
-            self.left = int(self.fields.get("content-length", "0") or 0)
+        elif cl is not None:
+            lengths = {v.strip() for v in cl.split(",")}
+            if len(lengths) != 1 or not next(iter(lengths)).isdigit():
+                raise ValueError("a Content-Length that is not one number")
+            self.left = int(next(iter(lengths)))
         return True
 
 
@@ -124,6 +132,8 @@ class Conn:
         self.method = ""
         self.tunnel = False
         self.again = False  # the request went to a worker that died before answering it
+        self.pair_out = bytearray()  # to write to the pair
+        self.raw_in = False  # the client's bytes cannot be framed: relayed as they come (unframed())
 
 
 class Connections:
@@ -165,6 +175,10 @@ class Connections:
         if c.tunnel:
             self.to_pair(c, data)
             return
+        if c.raw_in:  # unframed: on to the worker as it comes
+            c.req += data
+            self.dispatch(c)
+            return
         c.inbuf += data
         self.take_request(c)
 
@@ -178,7 +192,8 @@ class Connections:
                 if not m.take_head(c.inbuf):
                     return
             except ValueError:
-                self.close(c)
+                c.rmsg, c.seq, c.req, c.sent = m, c.seq + 1, bytearray(m.head or b""), 0
+                self.unframed(c)
                 return
             assert m.head is not None
             c.rmsg, c.req, c.req_end, c.seq, c.sent = m, bytearray(m.head), False, c.seq + 1, 0
@@ -191,8 +206,13 @@ class Connections:
         m = c.rmsg
         if not c.req_end and c.inbuf:
             if m.chunks is not None:
-                for whole, _ in m.chunks.feed(bytes(c.inbuf)):
-                    c.req += whole
+                try:
+                    for whole, _ in m.chunks.feed(bytes(c.inbuf)):
+                        c.req += whole
+                except ValueError:  # a chunk size that is not one
+                    c.req += m.chunks.buf
+                    self.unframed(c)
+                    return
                 c.inbuf = bytearray(m.chunks.buf)
                 m.chunks.buf.clear()
                 c.req_end = m.chunks.done
@@ -202,6 +222,14 @@ class Connections:
                 c.req += take
                 m.left -= len(take)
                 c.req_end = m.left == 0
+        self.dispatch(c)
+
+    def unframed(self, c: Conn) -> None:
+        """Bytes the keeper cannot frame (a malformed head or body): passed to the worker as they come, which answers
+        them (400), then the connection closes. Nothing of such a request goes to another worker."""
+        c.req += c.inbuf
+        c.inbuf.clear()
+        c.req_end = c.close_after = c.cut = c.raw_in = True
         self.dispatch(c)
 
     def dispatch(self, c: Conn) -> None:
@@ -218,7 +246,7 @@ class Connections:
             b.close()
             a.setblocking(False)
             c.pair, c.worker, c.sent, c.resp, c.smsg, c.eof_at = a, self.worker, 0, bytearray(), None, None
-            self.sel.register(a, selectors.EVENT_READ, ("pair", c))
+            self.watch(c)
             if c.head_out is not None:
                 c.resume = True
                 body = bytes(c.req) + c.head_out + bytes(c.record or b"")
@@ -236,14 +264,38 @@ class Connections:
             c.sent = len(c.req)
 
     def to_pair(self, c: Conn, data: bytes) -> None:
-        assert c.pair is not None
-        c.pair.setblocking(True)  # the worker reads its pairs as fast as the loop runs; a large body blocks here
-        try:
-            c.pair.sendall(data)
-        except OSError:
-            pass  # the pair's end is read below
-        finally:
-            c.pair.setblocking(False)
+        c.pair_out += data
+        self.flush_pair(c)
+
+    def flush_pair(self, c: Conn) -> None:
+        if c.pair is not None and c.eof_at is None:
+            try:
+                while c.pair_out:
+                    del c.pair_out[: c.pair.send(c.pair_out)]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                c.pair_out.clear()  # the worker closed it: its end is read in on_pair()
+        self.watch(c)
+
+    def watch(self, c: Conn) -> None:
+        """What to wait for on the client and its pair: a side reads only while the other keeps up (at most
+        BACKLOG bytes waiting for it), and writes while it has bytes waiting."""
+        if c.id not in self.conns:
+            return
+        self._want(c.sock, (READ if len(c.pair_out) < BACKLOG else 0) | (WRITE if c.out else 0), ("client", c))
+        if c.pair is not None and c.eof_at is None:
+            self._want(c.pair, (READ if len(c.out) < BACKLOG else 0) | (WRITE if c.pair_out else 0), ("pair", c))
+
+    def _want(self, sock: socket.socket, events: int, data: tuple[str, Conn]) -> None:
+        key = self.sel.get_map().get(sock)
+        if not events:
+            if key is not None:
+                self.sel.unregister(sock)
+        elif key is None:
+            self.sel.register(sock, events, data)
+        elif key.events != events:
+            self.sel.modify(sock, events, data)
 
     def on_pair(self, c: Conn) -> None:
         assert c.pair is not None
@@ -257,8 +309,8 @@ class Connections:
             if c.tunnel:
                 self.close(c)
             elif c.eof_at is None:
+                self._want(c.pair, 0, ("pair", c))
                 c.eof_at = time.monotonic()  # decided in tick(): the worker's abort, or its death
-                self.sel.unregister(c.pair)
             return
         if c.tunnel:
             self.write(c, data)
@@ -344,10 +396,10 @@ class Connections:
 
     def drop_pair(self, c: Conn) -> None:
         if c.pair is not None:
-            if c.eof_at is None:
-                self.sel.unregister(c.pair)
+            self._want(c.pair, 0, ("pair", c))
             c.pair.close()
         c.pair, c.worker, c.eof_at = None, None, None
+        c.pair_out.clear()
 
     def orphan(self, c: Conn) -> None:
         """Its worker died: the request goes to the next one, as a resume when the client has part of a response."""
@@ -377,9 +429,8 @@ class Connections:
         except OSError:
             self.close(c)
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.out else 0)
         if c.id in self.conns:
-            self.sel.modify(c.sock, events, ("client", c))
+            self.watch(c)
             if not c.out and c.closing:
                 self.close(c)
 
@@ -389,7 +440,7 @@ class Connections:
         if c.rmsg is not None and c.pair is None and c.seq >= 0:
             self.abandoned.append(f"{c.id}-{c.seq}")  # a next worker ends what the server still runs for it
         self.drop_pair(c)
-        self.sel.unregister(c.sock)
+        self._want(c.sock, 0, ("client", c))
         c.sock.close()
 
     # --- the loop -----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from controller.keeper import EPOCH_ENV, FD_ENV
+from controller.keeper import EPOCH_ENV, FD_ENV, PROTOCOL
 
 __all__ = ["KeeperError", "KeeperLink", "Pair"]
 
@@ -139,10 +139,19 @@ class KeeperLink:
 
     async def hello(self, listen: tuple[str, int], admin: tuple[str, int]) -> list[socket.socket]:
         """Ask the keeper for the listeners: it binds them once, for every worker; the admin listener's sockets."""
-        self.send({"op": "hello", "listen": list(listen), "admin": list(admin), "pid": os.getpid()})
+        hello = {"op": "hello", "protocols": [PROTOCOL], "listen": list(listen), "admin": list(admin)}
+        self.send({**hello, "pid": os.getpid()})
         msg, fds = await self._expect("sockets")
         if "error" in msg:
             raise KeeperError(str(msg["error"]))
+        kept = (tuple(msg.get("listen") or listen), tuple(msg.get("admin") or admin))
+        if kept != (tuple(listen), tuple(admin)):
+            log.warning(
+                "keeper.listen_unchanged",
+                listening=[f"{h}:{p}" for h, p in kept],
+                asked=[f"{h}:{p}" for h, p in (listen, admin)],
+                hint="proxy.listen and admin.listen change only when kvctl restarts (systemctl restart kvctl)",
+            )
         return [socket.socket(fileno=fd) for fd in fds]
 
     async def ready(self) -> tuple[dict[str, Any], list[int]]:

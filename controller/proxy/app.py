@@ -329,8 +329,9 @@ class Proxy:
             ctx.transcript.release()
         if entry.handover is not None and entry.handover.done():
             self.handover.discard(entry.handover.result())  # a file no move used (the stream ended first)
-        if ctx.conv is not None and not ctx.upstream_done and self.takeover is not None:
-            self.takeover.end_session(ctx.conv)  # ended here (its client left, kvctl ended it): so on the server
+        if ctx.conv is not None and self.takeover is not None:
+            # ended here (done, its client left, kvctl ended it): so on the server, whose buffer of it goes too
+            self.takeover.end_session(ctx.conv)
         if self.inflight.get(ctx.request_id) is entry:
             del self.inflight[ctx.request_id]
         self.metrics.inflight.dec()

@@ -190,7 +190,6 @@ class RequestContext:
     again: bool = False  # the keeper sent it again: the worker before this one had it
     attached: bool = False  # relayed from the server's stream buffer (GET /v1/stream), not a response of its own
     skip_tokens: int = 0  # what the client has of that stream already, in token ids: not relayed again
-    upstream_done: bool = False  # the server's stream ended of itself: nothing to stop there
 
     @property
     def label(self) -> str:

@@ -294,7 +294,6 @@ class Relay:
                 return False
             # given up: even a response that merely ended gets the error event
         elif isinstance(end, Truncated):
-            ctx.upstream_done = True
             rest = b"".join(s.held) + s.framer.flush()
             if rest:
                 await self.writer.write(ctx, rest)

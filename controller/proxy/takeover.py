@@ -12,8 +12,9 @@ buffer when the worker that sent it dies, instead of dropping the request. The n
   meanwhile), continues it from those ids as a replay does (:meth:`Takeover.resume`);
 - ends the server's streams of requests whose clients left while no worker ran (:meth:`Takeover.end_abandoned`).
 
-A stream the worker ends (its client left, kvctl ended it, a drain moved it) ends the server's stream too
-(:meth:`Takeover.end_session`): the server no longer stops a conversation's generation when its connection closes.
+A stream that ends here (done, its client left, kvctl ended it, a drain moved it) ends the server's stream too
+(:meth:`Takeover.end_session`): the server no longer stops a conversation's generation when its connection closes,
+and keeps a finished one's buffer for 300 s unless told.
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ class KvctlProcess:
     proc: asyncio.subprocess.Process | None = None
     pre: list[str] = field(default_factory=list)  # arguments before ``run`` (--config FILE)
     extra: list[str] = field(default_factory=list)  # more ``run`` arguments (--spawn -- ARGV last)
+    cwd: Path = ROOT
 
     @property
     def proxy(self) -> str:
@@ -119,7 +120,7 @@ class KvctlProcess:
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
-                cwd=ROOT,
+                cwd=self.cwd,
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s

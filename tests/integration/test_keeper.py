@@ -342,3 +342,41 @@ def test_keeper_imports_nothing_but_the_standard_library(tmp_path: Path) -> None
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([shutil.which("python3") or sys.executable, "-S", "-c", code], env=env, cwd=tmp_path)
     assert done.returncode == 0
+
+
+async def test_an_upgrade_from_the_previous_commit_loses_no_chat(
+    smollm2: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """kvctl started from the previous commit's code (its keeper too), the code replaced on disk by this commit's
+    (as pip install does), then kvctl reload while streams run: the new worker speaks the old keeper's protocol and
+    takes every stream over."""
+    old = tmp_path / "old"
+    old.mkdir()
+    git = await asyncio.create_subprocess_shell(
+        f"git -C {ROOT} archive HEAD~1 controller | tar -x -C {old}", stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await git.communicate()
+    assert git.returncode == 0, err
+    assert (old / "controller" / "keeper.py").exists(), "the previous commit has no keeper to upgrade from"
+    site = tmp_path / "site"  # what an installed package is: a name on the path, its code replaceable
+    site.mkdir()
+    (site / "controller").symlink_to(old / "controller")
+    env = {**ENV, "PYTHONPATH": str(site)}
+    srv = start_server(*POOL, model=smollm2)
+    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=env, cwd=site)
+    try:
+        await kv.start(http)
+        tasks = [asyncio.create_task(_one(k, i, kv.proxy, http)) for i, k in enumerate(KINDS[:5])]
+        pid = await _worker_pid(http, kv.admin)
+        await asyncio.sleep(1.0)
+        (site / "controller").unlink()
+        (site / "controller").symlink_to(ROOT / "controller")
+        code, out, err = await _reload(kv.admin)
+        assert code == 0, (out, err, kv.log_tail())
+        await _worker_pid(http, kv.admin, other_than=pid)
+        seen = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        await _check(seen, http, srv.url)
+        sources = [e.get("source") for e in kv.events() if e["event"] == "keeper.took_over"]
+        assert sources[-1] == str(ROOT / "controller"), sources
+    finally:
+        await kv.stop()

@@ -131,7 +131,9 @@ def test_systemd_units_keep_kvctl_beside_the_server() -> None:
     assert "llama-server.service" in " ".join(kvctl["After"]).split()
     for hard in ("BindsTo", "Requires", "Requisite", "PartOf"):
         assert hard not in kvctl, f"kvctl.service must not use {hard}="
-    assert kvctl["Type"] == ["notify"] and kvctl["NotifyAccess"] == ["main"]
+    # the keeper is the main process; its worker (a child) notifies
+    assert kvctl["Type"] == ["notify"] and kvctl["NotifyAccess"] == ["all"]
+    assert kvctl["ExecReload"] == ["/opt/kvctl/bin/kvctl reload --environment"]
     assert kvctl["WatchdogSec"], "kvctl sends WATCHDOG=1; the unit must ask for it"
     # the same user, so psutil in kvctl can read the server's /proc entries
     assert server["User"] == kvctl["User"] and server["User"] != ["root"]

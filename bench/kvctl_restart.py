@@ -1,0 +1,176 @@
+"""kvctl's own restart under load: what 16 streaming clients see while kvctl's worker is SIGKILLed or reloaded.
+
+    python -m bench.kvctl_restart [--streams 16] [--n-predict 300] [--spawn]
+
+On the real model (SmolLM2-135M-Instruct, the server on one thread), kvctl in front of it (attached, or with
+``--spawn`` spawning it), the same streams three times in one run:
+
+- **none**: nothing happens to kvctl (the baseline: the decode step at this load);
+- **SIGKILL**: the worker is killed once every stream has decoded a third of its answer; the keeper starts a new one;
+- **reload**: ``kvctl reload`` at the same point (a new worker beside the old one, then the hand-over).
+
+Prints per scenario whether every chat completed with its full length and every token once (ids = n_predict, their
+text the streamed text), the tokens the server evaluated beyond the prompts (a continuation by replay would evaluate
+each stream's tokens again: the goal is 0), the longest gap between two tokens any client saw against the median
+gap, and the new worker's start-up (from the kill or the reload to the keeper's ``serving``, from kvctl's log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.common import build, cli, model, save, server, table
+from testkit.llama import StreamResult, free_port, parse_metrics, server_argv, stream_completion
+from testkit.stack import stack_admin, start_stack
+
+
+class Client:
+    """One streaming completion, with the time each of its chunks arrived."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, i: int, n_predict: int) -> None:
+        self.arrivals: list[float] = []
+        body = {"prompt": f"Story {i}: once upon a time", "n_predict": n_predict, "ignore_eos": True}
+        self.task = asyncio.ensure_future(stream_completion(http, url, body, on_chunk=self._tick))
+
+    async def _tick(self, _res: StreamResult) -> None:
+        self.arrivals.append(time.monotonic())
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+
+
+async def _json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as r:
+        return await r.json()
+
+
+async def _evaluated(http: aiohttp.ClientSession, server_url: str) -> float:
+    async with http.get(server_url + "/metrics") as r:
+        return parse_metrics(await r.text())["llamacpp:prompt_tokens_total"]
+
+
+async def _decoded(http: aiohttp.ClientSession, server_url: str, n: int, at_least: int) -> None:
+    while True:
+        slots = await _json(http, server_url + "/slots")
+        if sum(1 for s in slots if s.get("is_processing") and s["next_token"][0]["n_decoded"] >= at_least) >= n:
+            return
+        await asyncio.sleep(0.05)
+
+
+def _took_over(log: Path, after: float) -> float | None:
+    """Seconds from ``after`` (a wall-clock time) to the next worker's ``keeper.took_over`` in kvctl's log."""
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "keeper.took_over":
+            t = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            if t > after:
+                return t - after
+    return None
+
+
+async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict: int, spawn: bool) -> list[Any]:
+    pool = ("-c", str(max(4096, (n_predict + 64) * streams)), "-np", str(streams), "-kvu", "--slots", "--metrics")
+    with ExitStack() as stack:
+        log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "kvctl.log"
+        if spawn:
+            port = free_port()
+            surl = f"http://127.0.0.1:{port}"
+            url = stack.enter_context(
+                start_stack(surl, "--spawn", "--", *server_argv(binary, gguf, port, *pool), log_path=log, timeout_s=120)
+            )
+        else:
+            srv = stack.enter_context(server(binary, gguf, *pool))
+            surl = srv.url
+            url = stack.enter_context(start_stack(surl, log_path=log))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as http:
+            status = await _json(http, stack_admin(url) + "/status")
+            worker, spid = status["keeper"]["pid"], (status.get("supervisor") or {}).get("pid")
+            before = await _evaluated(http, surl)
+            clients = [Client(http, url, i, n_predict) for i in range(streams)]
+            await _decoded(http, surl, streams, n_predict // 3)
+            t_wall = time.time()
+            if kind == "SIGKILL":
+                os.kill(worker, signal.SIGKILL)
+            elif kind == "reload":
+                admin = stack_admin(url).removeprefix("http://")
+                cmd = [sys.executable, "-m", "controller.cli", "reload", "--admin", admin]
+                await asyncio.to_thread(subprocess.run, cmd, capture_output=True, timeout=120, check=True)
+            results = await asyncio.gather(*(c.task for c in clients))
+            complete = 0
+            for res in results:
+                ids = res.announced_ids
+                ok = res.error is None and len(ids) == n_predict
+                async with http.post(surl + "/detokenize", json={"tokens": ids}) as resp:
+                    ok = ok and (await resp.json())["content"] == res.content
+                complete += ok
+            prompts = sum(int(r.final["tokens_evaluated"]) for r in results if r.final)
+            again = await _evaluated(http, surl) - before - prompts
+            after = await _json(http, stack_admin(url) + "/status")
+            same_server = spid is None or (after.get("supervisor") or {}).get("pid") == spid
+        gaps = [g for c in clients for g in c.gaps()]
+        worst = max(max(c.gaps()) for c in clients)
+        start = _took_over(log, t_wall) if kind != "none" else None
+        return [
+            kind,
+            "spawn" if spawn else "attach",
+            streams,
+            f"{complete}/{streams}",
+            int(again),
+            "yes" if same_server else "no",
+            round(worst * 1000),
+            round(statistics.median(gaps) * 1000, 1),
+            round(start * 1000) if start is not None else "",
+        ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--n-predict", type=int, default=300)
+    ap.add_argument("--spawn", action="store_true", help="kvctl spawns the server (default: attached)")
+    args = ap.parse_args(argv)
+    binary = build()
+    gguf = model("smollm2", binary)
+    rows = [
+        asyncio.run(scenario(kind, binary, gguf, args.streams, args.n_predict, args.spawn))
+        for kind in ("none", "SIGKILL", "reload")
+    ]
+    out = table(
+        [
+            "kvctl",
+            "server",
+            "streams",
+            "chats complete, every token once",
+            "tokens evaluated again",
+            "same server process",
+            "longest gap ms",
+            "median gap ms",
+            "new worker serving after ms",
+        ],
+        rows,
+    )
+    print(out)
+    save("kvctl_restart" + ("_spawn" if args.spawn else "") + ".md", out + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    cli(main)
