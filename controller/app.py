@@ -418,7 +418,7 @@ class App:
             for fd in fds:
                 os.close(fd)
         # where this worker's code is, which an upgrade changes (pip install, then kvctl reload)
-        log.info("keeper.took_over", epoch=self.link.epoch, abandoned=len(self._abandoned), source=_SOURCE)
+        log.info("keeper.took_over", abandoned=len(self._abandoned), source=_SOURCE)
         return admin
 
     async def run(self, stop: asyncio.Event) -> int:

@@ -58,7 +58,7 @@ class Keeper(Connections):
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
         self.sel = selectors.DefaultSelector()
-        self.epoch = f"{secrets.token_hex(4)}"
+        self.epoch = secrets.token_hex(16)  # names the workers' server streams: never shown to a client
         self.conns: dict[int, Conn] = {}
         self.next_id = 0
         self.listeners: list[socket.socket] = []

@@ -17,6 +17,7 @@ from typing import Any
 
 HOLD_BYTES = 1 << 20  # a response of known length up to this is delivered whole, or not at all
 RECORD_BYTES = 16 << 20  # the body of a chunked response kept for a resume (past it: not resumable)
+RECORD_ALL = 1 << 30  # what all of them may hold together
 HEAD_MAX = 64 << 10
 BACKLOG = 1 << 20  # bytes waiting for one side before the keeper stops reading the other
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
@@ -82,6 +83,7 @@ class Message:
         self.chunks: Chunks | None = None
         self.left = 0  # bytes of a Content-Length body still to come
         self.held = bytearray()  # a body of known length, held until whole
+        self.until_close = False  # a response whose body ends when the connection does
 
     def take_head(self, buf: bytearray) -> bool:
         end = buf.find(b"\r\n\r\n")
@@ -145,6 +147,7 @@ class Connections:
     next_id: int
     abandoned: list[str]
     worker: Any
+    recorded = 0  # bytes held in Conn.record, all connections together
 
     def send(self, w: Any, msg: dict[str, object], fds: list[int] | None = None) -> bool:
         raise NotImplementedError
@@ -283,7 +286,8 @@ class Connections:
         BACKLOG bytes waiting for it), and writes while it has bytes waiting."""
         if c.id not in self.conns:
             return
-        self._want(c.sock, (READ if len(c.pair_out) < BACKLOG else 0) | (WRITE if c.out else 0), ("client", c))
+        reading = len(c.pair_out) < BACKLOG and len(c.inbuf) < BACKLOG
+        self._want(c.sock, (READ if reading else 0) | (WRITE if c.out else 0), ("client", c))
         if c.pair is not None and c.eof_at is None:
             self._want(c.pair, (READ if len(c.out) < BACKLOG else 0) | (WRITE if c.pair_out else 0), ("pair", c))
 
@@ -308,6 +312,8 @@ class Connections:
         if not data:
             if c.tunnel:
                 self.close(c)
+            elif c.smsg is not None and c.smsg.until_close:
+                self.finish(c, b"")
             elif c.eof_at is None:
                 self._want(c.pair, 0, ("pair", c))
                 c.eof_at = time.monotonic()  # decided in tick(): the worker's abort, or its death
@@ -319,7 +325,7 @@ class Connections:
         self.take_response(c)
 
     def take_response(self, c: Conn) -> None:
-        while c.resp or (c.smsg is not None and c.smsg.head is not None and c.smsg.chunks is None and not c.smsg.left):
+        while c.resp:
             if c.smsg is None:
                 c.smsg = Message()
             m = c.smsg
@@ -344,23 +350,34 @@ class Connections:
                     self.write(c, m.head + bytes(c.resp))
                     c.resp.clear()
                     return
-                if c.method == "HEAD" or status in (204, 304):
+                bodiless = c.method == "HEAD" or status in (204, 304)
+                if bodiless:
                     m.chunks, m.left = None, 0
-                if m.chunks is not None or m.left > HOLD_BYTES:
+                elif m.chunks is None and "content-length" not in m.fields:
+                    m.until_close = c.close_after = True  # an HTTP/1.0 client's stream: the body ends with the pair
+                if m.chunks is not None or m.left > HOLD_BYTES or m.until_close:
                     c.head_out = m.head
                     c.cut = m.chunks is None
                     self.write(c, m.head)
+                    if m.until_close:
+                        continue
                 if m.chunks is None and m.left == 0:
                     self.finish(c, m.head)
                     return
                 continue
+            if m.until_close:
+                self.write(c, bytes(c.resp))
+                c.resp.clear()
+                return
             if m.chunks is not None:
                 for whole, payload in m.chunks.feed(bytes(c.resp)):
                     self.write(c, whole)
                     if c.record is not None and payload:
-                        c.record += payload
-                        if len(c.record) > RECORD_BYTES:
-                            c.record = None
+                        if len(c.record) + len(payload) > RECORD_BYTES or self.recorded + len(payload) > RECORD_ALL:
+                            self.unrecord(c)  # not resumable: what the keeper may hold is full
+                        else:
+                            c.record += payload
+                            self.recorded += len(payload)
                 c.resp = bytearray(m.chunks.buf)
                 m.chunks.buf.clear()
                 if m.chunks.done:
@@ -386,6 +403,7 @@ class Connections:
         if c.smsg is not None and c.smsg.fields.get("connection", "").lower() == "close":
             c.close_after = True
         self.drop_pair(c)
+        self.unrecord(c)
         c.rmsg, c.smsg, c.req, c.head_out, c.record, c.resume = None, None, bytearray(), None, bytearray(), False
         c.continued = False
         if c.close_after:
@@ -393,6 +411,11 @@ class Connections:
             self.flush(c)
             return
         self.take_request(c)
+
+    def unrecord(self, c: Conn) -> None:
+        if c.record is not None:
+            self.recorded -= len(c.record)
+        c.record = None
 
     def drop_pair(self, c: Conn) -> None:
         if c.pair is not None:
@@ -440,6 +463,7 @@ class Connections:
         if c.rmsg is not None and c.pair is None and c.seq >= 0:
             self.abandoned.append(f"{c.id}-{c.seq}")  # a next worker ends what the server still runs for it
         self.drop_pair(c)
+        self.unrecord(c)
         self._want(c.sock, 0, ("client", c))
         c.sock.close()
 

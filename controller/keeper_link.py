@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -181,9 +182,14 @@ class KeeperLink:
         sock = transport.get_extra_info("socket") if transport is not None else None
         return self.pairs.get(sock.fileno()) if sock is not None else None
 
-    def request_id(self, pair: Pair) -> str:
-        """A request's id, the same in every worker: its upstream streams are named after it."""
+    def conv_prefix(self, pair: Pair) -> str:
+        """What the names of a request's server streams begin with, the same in every worker; from the keeper's secret
+        epoch, so that no client can name another's stream (the request id it sees is a hash of this)."""
         return f"kvctl-{self.epoch}-{pair.conn}-{pair.seq}"
+
+    def request_id(self, pair: Pair) -> str:
+        """A request's id (X-Request-Id upstream, in /slots, echoed to its client), the same in every worker."""
+        return "kvctl-" + hashlib.sha256(self.conv_prefix(pair).encode()).hexdigest()[:32]
 
     def reload(self, environment: dict[str, str] | None = None) -> None:
         """Ask the keeper for a new worker (``environment``: its KVCTL_ variables instead of the ones it has)."""

@@ -302,7 +302,7 @@ class Proxy:
         # a resumable stream's bytes are counted by its client: nothing of kvctl's own goes into it
         ctx.raw = bool(body.conversation)
         if pair is not None and body.stream and not body.conversation and not body.predict:
-            ctx.conv_prefix, ctx.again = ctx.request_id, pair.again  # its server stream outlives this worker
+            ctx.conv_prefix, ctx.again = self.link.conv_prefix(pair), pair.again  # type: ignore[union-attr]
         return await self.admitted(ctx, body, priority)
 
     def _track(self, ctx: RequestContext, body: GenerationBody, priority: Priority, event: str) -> Inflight:

@@ -139,7 +139,8 @@ class Takeover:
             return None
         if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
             ctx.conv, ctx.attached = conv, True
-            log.info("takeover.attached", request_id=ctx.request_id, conversation=conv)
+            # the stream's name holds the keeper's secret: logged by what it continues from only
+            log.info("takeover.attached", request_id=ctx.request_id, after_tokens=int(conv.rsplit("::", 1)[1]))
             return cm, upstream
         await cm.__aexit__(None, None, None)
         return None
@@ -160,7 +161,7 @@ class Takeover:
                 ):
                     pass
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                log.warning("takeover.end_failed", conversation=conv, error=str(e))
+                log.warning("takeover.end_failed", error=str(e))
 
         self._spawn(delete())
 
@@ -168,7 +169,7 @@ class Takeover:
         """Requests whose clients left while no worker ran: their streams end on the server."""
         for key in keys:
             for conv in await self.sessions(f"kvctl-{self.link.epoch}-{key}"):
-                log.info("takeover.abandoned", conversation=conv)
+                log.info("takeover.abandoned", request=key)
                 self.end_session(conv)
 
     # --- a request sent again ---------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ class Takeover:
             return web.Response(status=409, text="not resumable")
         ident = await self.proxy.front.authenticate(clone)
         ctx = RequestContext(clone, route, ident if isinstance(ident, Identity) else Identity(None))
-        ctx.request_id = ctx.conv_prefix = self.link.request_id(pair)
+        ctx.request_id, ctx.conv_prefix = self.link.request_id(pair), self.link.conv_prefix(pair)
         ctx.client_request_id = headers.get("X-Request-Id")
         ctx.body = body
         try:

@@ -105,3 +105,9 @@ def test_what_the_keeper_cannot_frame_goes_to_the_worker_and_the_keeper_serves_o
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             s.sendall(b"GET /whole HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert _read_all(s).endswith(b"whole")
+
+
+def test_a_body_that_ends_with_the_connection_reaches_the_client_whole() -> None:
+    with keeper() as port, socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"GET /until-close HTTP/1.0\r\n\r\n")
+        assert _read_all(s) == b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nabcdef"
