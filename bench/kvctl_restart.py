@@ -5,6 +5,7 @@
 On the real model (SmolLM2-135M-Instruct, the server on one thread), kvctl in front of it (attached, or with
 ``--spawn`` spawning it), the same streams three times in one run:
 
+- **none, without the keeper**: ``proxy.keeper = false``, nothing happens (what the keeper's extra hop costs);
 - **none**: nothing happens to kvctl (the baseline: the decode step at this load);
 - **SIGKILL**: the worker is killed once every stream has decoded a third of its answer; the keeper starts a new one;
 - **reload**: ``kvctl reload`` at the same point (a new worker beside the old one, then the hand-over).
@@ -38,12 +39,15 @@ from bench.common import build, cli, model, save, server, table
 from testkit.llama import StreamResult, free_port, parse_metrics, server_argv, stream_completion
 from testkit.stack import stack_admin, start_stack
 
+NO_KEEPER = "none, without the keeper"  # proxy.keeper off: what the keeper's hop costs
+
 
 class Client:
     """One streaming completion, with the time each of its chunks arrived."""
 
     def __init__(self, http: aiohttp.ClientSession, url: str, i: int, n_predict: int) -> None:
         self.arrivals: list[float] = []
+        self.t0 = time.monotonic()
         body = {"prompt": f"Story {i}: once upon a time", "n_predict": n_predict, "ignore_eos": True}
         self.task = asyncio.ensure_future(stream_completion(http, url, body, on_chunk=self._tick))
 
@@ -90,24 +94,26 @@ async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict:
     pool = ("-c", str(max(4096, (n_predict + 64) * streams)), "-np", str(streams), "-kvu", "--slots", "--metrics")
     with ExitStack() as stack:
         log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "kvctl.log"
+        env = {"KVCTL_PROXY__KEEPER": "false"} if kind == NO_KEEPER else {}
         if spawn:
             port = free_port()
             surl = f"http://127.0.0.1:{port}"
-            url = stack.enter_context(
-                start_stack(surl, "--spawn", "--", *server_argv(binary, gguf, port, *pool), log_path=log, timeout_s=120)
-            )
+            argv = server_argv(binary, gguf, port, *pool)
+            url = stack.enter_context(start_stack(surl, "--spawn", "--", *argv, env=env, log_path=log, timeout_s=120))
         else:
             srv = stack.enter_context(server(binary, gguf, *pool))
             surl = srv.url
-            url = stack.enter_context(start_stack(surl, log_path=log))
+            url = stack.enter_context(start_stack(surl, env=env, log_path=log))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as http:
             status = await _json(http, stack_admin(url) + "/status")
-            worker, spid = status["keeper"]["pid"], (status.get("supervisor") or {}).get("pid")
+            worker = (status.get("keeper") or {}).get("pid")
+            spid = (status.get("supervisor") or {}).get("pid")
             before = await _evaluated(http, surl)
             clients = [Client(http, url, i, n_predict) for i in range(streams)]
             await _decoded(http, surl, streams, n_predict // 3)
             t_wall = time.time()
             if kind == "SIGKILL":
+                assert worker is not None
                 os.kill(worker, signal.SIGKILL)
             elif kind == "reload":
                 admin = stack_admin(url).removeprefix("http://")
@@ -127,7 +133,8 @@ async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict:
             same_server = spid is None or (after.get("supervisor") or {}).get("pid") == spid
         gaps = [g for c in clients for g in c.gaps()]
         worst = max(max(c.gaps()) for c in clients)
-        start = _took_over(log, t_wall) if kind != "none" else None
+        start = _took_over(log, t_wall) if kind in ("SIGKILL", "reload") else None
+        ttft = statistics.median(c.arrivals[0] - c.t0 for c in clients if c.arrivals)
         return [
             kind,
             "spawn" if spawn else "attach",
@@ -137,6 +144,7 @@ async def scenario(kind: str, binary: Path, gguf: Path, streams: int, n_predict:
             "yes" if same_server else "no",
             round(worst * 1000),
             round(statistics.median(gaps) * 1000, 1),
+            round(ttft * 1000),
             round(start * 1000) if start is not None else "",
         ]
 
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = model("smollm2", binary)
     rows = [
         asyncio.run(scenario(kind, binary, gguf, args.streams, args.n_predict, args.spawn))
-        for kind in ("none", "SIGKILL", "reload")
+        for kind in (NO_KEEPER, "none", "SIGKILL", "reload")
     ]
     out = table(
         [
@@ -163,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "same server process",
             "longest gap ms",
             "median gap ms",
+            "median first token ms",
             "new worker serving after ms",
         ],
         rows,

@@ -72,6 +72,7 @@ class Keeper(Connections):
         self.exit_code: int | None = None
         self.abandoned: list[str] = []  # requests whose client left while no worker ran
         self.signals: list[int] = []
+        self.stopping = False
         self.env = dict(os.environ)  # the workers' environment: a reload may bring new KVCTL_ variables
         self.rfd, self.wfd = os.pipe()
         os.set_blocking(self.wfd, False)
@@ -257,8 +258,8 @@ class Keeper(Connections):
         self.worker = None
         if self.coming is not None:
             return  # replaced by a reload, or a new worker is starting already
-        if self.exit_code is not None or self.signals:
-            self.exit_code = self.exit_code if self.exit_code is not None else code if code >= 0 else 128 - code
+        if self.exit_code is not None or self.stopping:  # exiting on purpose (bye), or asked to stop (SIGTERM, SIGINT)
+            self.exit_code = self.exit_code if self.exit_code is not None else 0
             return
         if was != "serving":
             self.failed_starts += 1
@@ -282,11 +283,12 @@ class Keeper(Connections):
 
     def on_signal(self) -> None:
         os.read(self.rfd, 64)
-        for sig in self.signals[:]:
+        while self.signals:
+            sig = self.signals.pop(0)
             if sig == signal.SIGHUP:
-                self.signals.remove(sig)
                 self.reload()
                 continue
+            self.stopping = True  # SIGTERM, SIGINT: the worker drains and says bye; no worker is started after it
             for w in (self.worker, self.coming):
                 if w is not None and w.state != "dead":
                     w.proc.send_signal(sig)

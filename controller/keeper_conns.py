@@ -21,6 +21,7 @@ RECORD_ALL = 1 << 30  # what all of them may hold together
 HEAD_MAX = 64 << 10
 BACKLOG = 1 << 20  # bytes waiting for one side before the keeper stops reading the other
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+POISON_TRIES = 3  # workers that may die holding one request before the keeper drops it (closes its connection)
 EOF_GRACE_S = 0.3  # a pair that ends mid-response: the worker's abort, unless the worker turns out dead
 
 
@@ -135,6 +136,7 @@ class Conn:
         self.tunnel = False
         self.again = False  # the request went to a worker that died before answering it
         self.pair_out = bytearray()  # to write to the pair
+        self.tries = 0  # workers that died while they had this request
         self.raw_in = False  # the client's bytes cannot be framed: relayed as they come (unframed())
 
 
@@ -200,7 +202,7 @@ class Connections:
                 return
             assert m.head is not None
             c.rmsg, c.req, c.req_end, c.seq, c.sent = m, bytearray(m.head), False, c.seq + 1, 0
-            c.head_out, c.record, c.cut, c.resume, c.again = None, bytearray(), False, False, False
+            c.head_out, c.record, c.cut, c.resume, c.again, c.tries = None, bytearray(), False, False, False, 0
             method = m.start.split(" ")[0]
             c.close_after = m.fields.get("connection", "").lower() == "close" or m.start.endswith("HTTP/1.0")
             c.method = method
@@ -435,6 +437,11 @@ class Connections:
             return
         self.drop_pair(c)
         c.again = True
+        c.tries += 1
+        if c.tries > POISON_TRIES:  # each worker that had it died: the request itself may be what kills them
+            log("keeper.request_dropped", conn=c.id, seq=c.seq, workers=c.tries, level="error")
+            self.close(c)
+            return
         log("keeper.held", conn=c.id, seq=c.seq, resume=c.head_out is not None)
         self.dispatch(c)
 

@@ -4,6 +4,7 @@ It speaks the keeper's protocol (hello, ready, serving; a socket pair per reques
 
 - ``/whole``: a 200 with a body of known length; ``/until-close``: a body that ends when the connection does;
 - a request it cannot read (a Content-Length that is no number, a transfer coding): 400, and it closes;
+- ``/poison``: it dies before answering (whichever worker gets it);
 - ``/die-mid-chunk``: a chunked 200, one whole chunk ``one``, then half of the next, then it dies (SIGKILL-like);
 - ``POST /resume`` (the keeper's hand-over): a chunked 200 whose one chunk names what it was given
   (``resumed:<request line>:<body the client has>``), then the end.
@@ -78,6 +79,8 @@ def main() -> None:
         elif path == "/until-close":  # aiohttp's stream to an HTTP/1.0 client: no length, no chunks
             pair.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nabc")
             pair.sendall(b"def")
+        elif path == "/poison":  # every worker that reads it dies
+            os._exit(9)
         elif path == "/whole":
             pair.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwhole")
         elif path == "/die-mid-chunk":

@@ -111,3 +111,13 @@ def test_a_body_that_ends_with_the_connection_reaches_the_client_whole() -> None
     with keeper() as port, socket.create_connection(("127.0.0.1", port), timeout=20) as s:
         s.sendall(b"GET /until-close HTTP/1.0\r\n\r\n")
         assert _read_all(s) == b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nabcdef"
+
+
+def test_a_request_that_kills_every_worker_is_dropped_and_the_rest_served() -> None:
+    with keeper() as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"GET /poison HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_all(s) == b"", "closed after POISON_TRIES workers died of it"
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"GET /whole HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert _read_all(s).endswith(b"whole")
