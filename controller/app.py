@@ -167,7 +167,6 @@ class App:
         self._hung_reported = False
         self.started = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._abandoned: list[str] = []
 
     def _server_started(self) -> None:
         self.loop.forget("the supervised server (re)started")
@@ -359,7 +358,7 @@ class App:
     async def _keep(self, app: web.Application) -> Callable[[], Awaitable[None]]:
         """Serve the requests the keeper passes in, and the responses a previous worker began."""
         assert self.link is not None and self.proxy is not None
-        return await self.proxy.kept(self.link).serve(app, self.settings.proxy.max_body_bytes, self._abandoned)
+        return await self.proxy.kept(self.link).serve(app, self.settings.proxy.max_body_bytes)
 
     async def _refuse_router(self) -> None:
         """A server in router mode (several models) has no /kv or parking of its own: each child has. Refuse it."""
@@ -411,14 +410,13 @@ class App:
             split_host_port(self.settings.proxy.listen), split_host_port(self.settings.admin.listen)
         )
         go, fds = await self.link.ready()
-        self._abandoned = [str(k) for k in go.get("abandoned", [])]
         if self.supervisor is not None:
             self.supervisor.adopt, self.supervisor.adopt_fds = go.get("server") or None, fds  # still running
         else:
             for fd in fds:
                 os.close(fd)
         # where this worker's code is, which an upgrade changes (pip install, then kvctl reload)
-        log.info("keeper.took_over", abandoned=len(self._abandoned), source=_SOURCE)
+        log.info("keeper.took_over", source=_SOURCE)
         return admin
 
     async def run(self, stop: asyncio.Event) -> int:

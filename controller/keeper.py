@@ -20,7 +20,8 @@ A connection the next worker cannot continue (a large non-chunked body half sent
 before. The keeper's own death is the one case that loses connections. Protocol with the worker (a SOCK_SEQPACKET
 pair, JSON messages): worker ``hello`` (its listen addresses) -> keeper ``sockets`` (the admin listener's sockets) ->
 worker ``ready`` -> keeper ``go`` (the adopted server, if any) -> worker ``serving``; keeper ``conn`` (a request, with
-its pair); worker ``reload``, ``server`` (a spawned server's pid), ``bye`` (exiting on purpose, with its code).
+its pair), ``abandoned`` (requests whose clients left while no worker had them); worker ``reload``, ``server`` (a
+spawned server's pid), ``bye`` (exiting on purpose, with its code).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Keeper(Connections):
         self.failed_starts = 0
         self.exit_code: int | None = None
         self.abandoned: list[str] = []  # requests whose client left while no worker ran
+        self.left_on: list[tuple[Worker, str, float]] = []
         self.signals: list[int] = []
         self.stopping = False
         self.env = dict(os.environ)  # the workers' environment: a reload may bring new KVCTL_ variables
@@ -124,8 +126,7 @@ class Keeper(Connections):
                 old.proc.kill()
                 old.proc.wait()
                 self.worker_died(old)
-            self.send(w, {"op": "go", "server": self.server, "abandoned": self.abandoned}, self.server_fds)
-            self.abandoned = []
+            self.send(w, {"op": "go", "server": self.server}, self.server_fds)
         elif op == "serving":
             w.state = "serving"
             self.failed_starts = 0
@@ -246,6 +247,7 @@ class Keeper(Connections):
         for c in list(self.conns.values()):
             if c.worker is w:
                 self.orphan(c)
+        self.abandoned += [k for worker, k, _ in self.left_on if worker is w]  # it died before it could end them
         if w is self.coming:
             self.coming = None
             if self.worker is not None and self.worker.state != "dead":
@@ -329,6 +331,9 @@ class Keeper(Connections):
                     self.on_signal()
             self.tick()
             self.reap_server()
+            if self.abandoned and self.worker is not None and self.worker.state == "serving":
+                if self.send(self.worker, {"op": "abandoned", "requests": self.abandoned}):
+                    self.abandoned = []
         for w in (self.worker, self.coming):
             if w is not None and w.proc.poll() is None:
                 w.proc.terminate()

@@ -22,6 +22,7 @@ HEAD_MAX = 64 << 10
 BACKLOG = 1 << 20  # bytes waiting for one side before the keeper stops reading the other
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 POISON_TRIES = 3  # workers that may die holding one request before the keeper drops it (closes its connection)
+LEFT_ON_S = 5.0  # how long a client's leaving waits for its worker's death to be noticed
 EOF_GRACE_S = 0.3  # a pair that ends mid-response: the worker's abort, unless the worker turns out dead
 
 
@@ -150,6 +151,7 @@ class Connections:
     abandoned: list[str]
     worker: Any
     recorded = 0  # bytes held in Conn.record, all connections together
+    left_on: list[tuple[Any, str, float]]  # (worker, request, when): clients that left a request a worker had
 
     def send(self, w: Any, msg: dict[str, object], fds: list[int] | None = None) -> bool:
         raise NotImplementedError
@@ -467,8 +469,16 @@ class Connections:
     def close(self, c: Conn) -> None:
         if self.conns.pop(c.id, None) is None:
             return
-        if c.rmsg is not None and c.pair is None and c.seq >= 0:
-            self.abandoned.append(f"{c.id}-{c.seq}")  # a next worker ends what the server still runs for it
+        if c.rmsg is not None and c.seq >= 0:
+            # a next worker ends what the server still runs for it: now if no worker has it, else if the worker that
+            # has it turns out dead (it would have ended it itself)
+            key = f"{c.id}-{c.seq}"
+            if c.pair is None:
+                self.abandoned.append(key)
+            else:
+                now = time.monotonic()
+                self.left_on = [(w, k, t) for w, k, t in self.left_on if now - t < LEFT_ON_S]
+                self.left_on.append((c.worker, key, now))
         self.drop_pair(c)
         self.unrecord(c)
         self._want(c.sock, 0, ("client", c))

@@ -55,6 +55,8 @@ class KeeperLink:
         self._early: list[tuple[dict[str, Any], socket.socket]] = []
         self.lost = asyncio.Event()  # the keeper is gone: nothing more reaches this worker
         self.on_lost: Callable[[], None] | None = None
+        self.abandoned: list[str] = []  # requests whose clients left while no worker had them (the keeper's word)
+        self.on_abandoned: Callable[[], None] | None = None
         self._seen: set[tuple[int, int]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reloads_failed = 0
@@ -95,6 +97,10 @@ class KeeperLink:
             msg = json.loads(data)
             if msg.get("op") == "conn" and fds:
                 self._conn(msg, socket.socket(fileno=fds[0]))
+            elif msg.get("op") == "abandoned":
+                self.abandoned += [str(k) for k in msg.get("requests", [])]
+                if self.on_abandoned is not None:
+                    self.on_abandoned()
             elif msg.get("op") == "server_exited":
                 fut = self._exits.setdefault(int(msg["pid"]), asyncio.get_running_loop().create_future())
                 if not fut.done():

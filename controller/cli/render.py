@@ -231,6 +231,10 @@ def render_status(status: Status, *, unicode: bool = True) -> str:
     title = f"kvctl {status.version}{dot}{_overall(status)}{dot}up {_duration(status.uptime_s)}"
     header: list[tuple[str, str]] = [("upstream", _upstream_line(status))]
     header += _supervisor_lines(status)
+    if status.keeper is not None:
+        k = status.keeper
+        failed = f"; {k.reloads_failed} reload(s) failed, last: {k.last_reload_error}" if k.reloads_failed else ""
+        header.append(("worker", f"pid {k.pid}, under the keeper (kvctl reload keeps every connection){failed}"))
     header += _pool_lines(status.pool, unicode=unicode)
     header += _memory_lines(status)
     header += [("problem", p) for p in status.problems]

@@ -82,18 +82,18 @@ class Takeover:
         self.link = link
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def serve(self, app: web.Application, max_body: int, abandoned: list[str]) -> Callable[[], Awaitable[None]]:
+    async def serve(self, app: web.Application, max_body: int) -> Callable[[], Awaitable[None]]:
         """Serve the proxy's ``app`` on the pairs the keeper passes in, and ``POST /resume`` on the resume pairs;
-        end the server's streams of ``abandoned`` requests. Returns the cleanup."""
+        end the server's streams of the requests the keeper says were abandoned. Returns the cleanup."""
         resumes = web.Application(client_max_size=max_body + RECORD_BYTES + (1 << 20))
         resumes.router.add_post("/resume", self.resume)
         runners = [web.AppRunner(a, handler_cancellation=True, access_log=None) for a in (app, resumes)]
         for runner in runners:
             await runner.setup()
         assert runners[0].server is not None and runners[1].server is not None
+        self.link.on_abandoned = self._abandoned
         self.link.serve(runners[0].server, runners[1].server)
-        if abandoned:
-            self._spawn(self.end_abandoned(abandoned))
+        self._abandoned()
 
         async def cleanup() -> None:
             for runner in runners:
@@ -165,8 +165,13 @@ class Takeover:
 
         self._spawn(delete())
 
+    def _abandoned(self) -> None:
+        keys, self.link.abandoned = self.link.abandoned, []
+        if keys:
+            self._spawn(self.end_abandoned(keys))
+
     async def end_abandoned(self, keys: list[str]) -> None:
-        """Requests whose clients left while no worker ran: their streams end on the server."""
+        """Requests whose clients left while no worker had them: their streams end on the server."""
         for key in keys:
             for conv in await self.sessions(f"kvctl-{self.link.epoch}-{key}"):
                 log.info("takeover.abandoned", request=key)

@@ -380,3 +380,34 @@ async def test_an_upgrade_from_the_previous_commit_loses_no_chat(
         assert sources[-1] == str(ROOT / "controller"), sources
     finally:
         await kv.stop()
+
+
+async def _idle_soon(http: aiohttp.ClientSession, server: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not [s for s in await get_json(http, server + "/slots") if s["state"] != "idle"]:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_a_client_that_leaves_ends_its_stream_on_the_server(
+    smollm2: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """The server no longer stops a stream whose connection closes (it outlives the worker): kvctl ends it when its
+    client leaves, and the next worker ends those whose clients left while no worker ran."""
+    srv = start_server(*POOL, model=smollm2)
+    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=ENV)
+    body = {"prompt": _prompt(1), "n_predict": 3000, "ignore_eos": True, "stream": True}
+    try:
+        await kv.start(http)
+        for worker_dies in (False, True):
+            async with http.post(kv.proxy + "/completion", json=body) as resp:
+                await resp.content.readline()  # the stream has begun
+                if worker_dies:
+                    os.kill(await _worker_pid(http, kv.admin), signal.SIGKILL)
+            # the client has left (the response closed)
+            assert await _idle_soon(http, srv.url, 15), f"still generating (worker died: {worker_dies})"
+        assert [e for e in kv.events() if e["event"] == "takeover.abandoned"], "no stream ended as abandoned"
+    finally:
+        await kv.stop()
