@@ -176,10 +176,10 @@ class Keeper(Connections):
         )
 
     def bind(self, addr: object, accept: bool) -> list[socket.socket]:
-        host, port = addr  # type: ignore[misc]
-        out = []
+        host, port = addr if isinstance(addr, list | tuple) and len(addr) == 2 else ("", 0)
+        out: list[socket.socket] = []
         for fam, kind, proto, _, sa in socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            str(host) or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         ):
             s = socket.socket(fam, kind, proto)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -9,6 +9,7 @@ next worker would have to finish. Standard library only, like the keeper.
 from __future__ import annotations
 
 import json
+import re
 import selectors
 import socket
 import sys
@@ -41,6 +42,15 @@ def parse_head(head: bytes) -> tuple[str, dict[str, str]]:
             key = name.strip().lower()
             fields[key] = f"{fields[key]}, {value.strip()}" if key in fields else value.strip()
     return start, fields
+
+
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ ")
+
+
+def _request_line(data: bytearray) -> bool:
+    """Whether ``data`` may begin a request (a method, then a space); what has not come yet may."""
+    head = bytes(data[:64])
+    return _METHOD.match(head) is not None or (len(head) < 16 and not head.startswith((b"\r", b"\n", b" ")))
 
 
 class Chunks:
@@ -229,6 +239,9 @@ class Connections:
                 c.req += take
                 m.left -= len(take)
                 c.req_end = m.left == 0
+        if c.req_end and c.inbuf and not c.raw_in and not _request_line(c.inbuf):
+            self.unframed(c)  # what follows is no request: the worker's parser sees all of it and answers as it does
+            return
         self.dispatch(c)
 
     def unframed(self, c: Conn) -> None:
@@ -336,6 +349,7 @@ class Connections:
             if m.head is None:
                 if not m.take_head(c.resp):
                     return
+                head = m.head or b""
                 status = int(m.start.split(" ")[1])
                 if c.resume:  # the resume's own head: the client has its response's head already
                     if status != 200 or m.chunks is None:
@@ -345,13 +359,13 @@ class Connections:
                     continue
                 if 100 <= status < 200 and status != 101:
                     if c.head_out is None and not c.continued:
-                        self.write(c, m.head)
+                        self.write(c, head)
                         c.continued = True
                     c.smsg = None
                     continue
                 if status == 101:
                     c.tunnel = True
-                    self.write(c, m.head + bytes(c.resp))
+                    self.write(c, head + bytes(c.resp))
                     c.resp.clear()
                     return
                 bodiless = c.method == "HEAD" or status in (204, 304)
@@ -360,13 +374,13 @@ class Connections:
                 elif m.chunks is None and "content-length" not in m.fields:
                     m.until_close = c.close_after = True  # an HTTP/1.0 client's stream: the body ends with the pair
                 if m.chunks is not None or m.left > HOLD_BYTES or m.until_close:
-                    c.head_out = m.head
+                    c.head_out = head
                     c.cut = m.chunks is None
-                    self.write(c, m.head)
+                    self.write(c, head)
                     if m.until_close:
                         continue
                 if m.chunks is None and m.left == 0:
-                    self.finish(c, m.head)
+                    self.finish(c, head)
                     return
                 continue
             if m.until_close:
@@ -397,7 +411,7 @@ class Connections:
                 return
             m.held += take
             if not m.left:
-                self.finish(c, m.head + bytes(m.held))
+                self.finish(c, (m.head or b"") + bytes(m.held))
             return
 
     def finish(self, c: Conn, rest: bytes) -> None:
@@ -405,6 +419,8 @@ class Connections:
         if rest:
             self.write(c, rest)
         if c.smsg is not None and c.smsg.fields.get("connection", "").lower() == "close":
+            c.close_after = True
+        if not c.req_end:  # answered before its body came (a refused Expect: 100-continue): what follows is not framed
             c.close_after = True
         self.drop_pair(c)
         self.unrecord(c)

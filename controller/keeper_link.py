@@ -173,7 +173,7 @@ class KeeperLink:
 
         def one(msg: dict[str, Any], pair: socket.socket) -> None:
             server = resumes if msg.get("resume") else clients
-            task = loop.create_task(loop.connect_accepted_socket(server, pair))  # type: ignore[arg-type]
+            task = loop.create_task(loop.connect_accepted_socket(server, pair))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

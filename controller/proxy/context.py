@@ -141,6 +141,14 @@ class Tracker:
             entry.end(reason)
         return len(entries)
 
+    def end_sent(self, reason: Stop) -> int:
+        """End every generation sent to the server (a planned restart with another model: ``server_replaced``);
+        those still queued go on."""
+        entries = [e for e in self.inflight.values() if e.state is not Phase.QUEUED]
+        for entry in entries:
+            entry.end(reason)
+        return len(entries)
+
 
 @dataclass
 class ServerState:

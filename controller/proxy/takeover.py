@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from controller.keeper_conns import RECORD_BYTES
@@ -208,7 +208,7 @@ class Takeover:
         ctx.client_request_id = headers.get("X-Request-Id")
         ctx.body = body
         try:
-            gen = read_generation(route, self.proxy.routes, headers, clone.content_type, body)
+            gen = read_generation(route, self.proxy.routes, CIMultiDictProxy(headers), clone.content_type, body)
             key = ctx.ident.key if ctx.ident is not None else None
             priority = resolve_priority(gen.fields, headers, key, self.proxy.priority_rules)
         except (BadRequest, InvalidPriority):

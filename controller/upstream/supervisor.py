@@ -177,8 +177,13 @@ class Adopted:
     async def wait(self) -> int:
         if self.returncode is None:
             loop = asyncio.get_running_loop()
-            gone = loop.create_future()
-            loop.add_reader(self._fd, lambda: gone.done() or gone.set_result(None))
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def readable() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+
+            loop.add_reader(self._fd, readable)
             try:
                 await gone
             finally:
