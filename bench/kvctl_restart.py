@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = model("smollm2", binary)
     rows = [
         asyncio.run(scenario(kind, binary, gguf, args.streams, args.n_predict, args.spawn))
-        for kind in (NO_KEEPER, "none", "SIGKILL", "reload")
+        for kind in ("none", NO_KEEPER, "SIGKILL", "reload")
     ]
     out = table(
         [
