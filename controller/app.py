@@ -112,7 +112,7 @@ def watchdog_interval_s() -> float:
     return int(usec) / 3e6 if usec.isdigit() and int(usec) > 0 else 10.0
 
 
-_SOURCE = os.path.dirname(os.path.abspath(__file__))  # where this worker's code is: an upgrade changes it
+_SOURCE = os.path.dirname(os.path.realpath(__file__))  # where this worker's code is: an upgrade changes it
 
 
 class RouterMode(Exception):

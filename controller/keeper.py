@@ -3,11 +3,10 @@
 ``kvctl run`` execs into this module (standard library only, so that what must not crash depends on nothing else).
 The keeper binds the public listener, accepts every client connection and relays it (controller.keeper_conns), one
 request at a time, to a worker (``python -m controller run ...``: the proxy, the control loop, the supervisor) over a
-socket pair per request whose other end it passes to the worker (SCM_RIGHTS).
-It keeps, for the request in flight on each connection, the
-request's bytes and what of the response the client has been sent (whole chunks only: a chunk the worker wrote in part
-is never delivered), so that when the worker dies (a crash, an OOM kill, SIGKILL) or is replaced (``kvctl reload``,
-SIGHUP) nothing reaches the client but a pause:
+socket pair per request whose other end it passes to the worker (SCM_RIGHTS). It keeps, for the request in flight
+on each connection, the request's bytes and what of the response the client has been sent (whole chunks only: a
+chunk the worker wrote in part is never delivered), so that when the worker dies (a crash, an OOM kill, SIGKILL)
+or is replaced (``kvctl reload``, SIGHUP) nothing reaches the client but a pause:
 
 - a request whose response had not started is sent again to the next worker, on the same connection and sequence
   number (the worker finds the server's stream it had started, by a conversation id derived from both);
@@ -52,7 +51,6 @@ class Worker:
     def __init__(self, proc: subprocess.Popen[bytes], ctrl: socket.socket, env: dict[str, str]) -> None:
         self.proc, self.ctrl, self.env = proc, ctrl, env
         self.state = "starting"  # -> ready -> serving -> dead
-        self.hello: dict[str, object] = {}
 
 
 class Keeper(Connections):
@@ -114,8 +112,12 @@ class Keeper(Connections):
         if not data:
             self.worker_died(w)
             return
-        msg = json.loads(data)
-        op = msg.get("op")
+        try:
+            msg = json.loads(data)
+            op = msg.get("op")
+        except (ValueError, AttributeError):
+            log("keeper.bad_message", pid=w.proc.pid, level="error")
+            return
         if op == "hello":
             self.on_hello(w, msg)
         elif op == "ready":
@@ -158,6 +160,10 @@ class Keeper(Connections):
                 self.admin = self.bind(admin, accept=False)
             except OSError as e:
                 self.send(w, {"op": "sockets", "error": f"{listen if not self.listeners else admin}: {e}"})
+                for lsock in self.listeners:  # bound, but not the admin listener: the next worker binds both again
+                    self.sel.unregister(lsock)
+                    lsock.close()
+                self.listeners = []
                 return
             self.addr = (listen, admin)
         elif self.addr != (listen, admin):
