@@ -292,4 +292,9 @@ async def _serve(settings: Settings, reload: Callable[[], Settings] | None = Non
     code = await app.run(stop)
     if app.link is not None and (stop.is_set() or code in (2, 3)):
         app.link.bye(code)  # on purpose: the keeper exits with it, and does not start another worker
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # a signal that comes while the loop closes (a group's SIGTERM and the keeper's, one after the other) would
+        # find asyncio's wakeup fd closed: stopping already, ignore it
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     return code
