@@ -140,8 +140,9 @@ class Keeper(Connections):
             self.reload(msg.get("environment"))
         elif op == "server":  # a server the worker spawned: the next worker adopts it, with its output pipes
             self.forget_server()
-            self.server, self.server_fds = {"pid": msg.get("pid")}, fds
-            fds = []
+            if isinstance(msg.get("pid"), int):  # None: it exited, nothing to adopt
+                self.server, self.server_fds = {"pid": msg.get("pid"), "argv0": msg.get("argv0")}, fds
+                fds = []
         elif op == "bye":
             self.exit_code = int(msg.get("code", 0))
         for fd in fds:

@@ -201,9 +201,14 @@ class KeeperLink:
         """Ask the keeper for a new worker (``environment``: its KVCTL_ variables instead of the ones it has)."""
         self.send({"op": "reload", "environment": environment})
 
-    def server_started(self, pid: int, read_ends: list[int]) -> None:
-        """A spawned server: the keeper keeps its pid and copies of its output pipes for the next worker."""
-        self.send({"op": "server", "pid": pid}, read_ends)
+    def server_started(self, pid: int, argv0: str, read_ends: list[int]) -> None:
+        """A spawned server: the keeper keeps its pid (and what it runs, to know it again) and copies of its output
+        pipes for the next worker."""
+        self.send({"op": "server", "pid": pid, "argv0": argv0}, read_ends)
+
+    def server_gone(self) -> None:
+        """The spawned server exited (reaped here): nothing for the next worker to adopt."""
+        self.send({"op": "server", "pid": None})
 
     async def exit_status(self, pid: int) -> int:
         """The exit status of an adopted server, as the keeper reaped it (-1 when it does not say within 2 s)."""

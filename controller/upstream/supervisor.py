@@ -16,8 +16,8 @@ started elsewhere needs no supervisor: the control loop's back-off covers its re
 
 Each exit keeps the server's last log lines (controller.upstream.server_log) and, killed by a signal, the signal's name;
 FAILED is reported (``supervisor.failed``, ``/status``, the ``on_failed`` callback that ends the proxy's waiting
-requests) rather than looped, and stays until kvctl is restarted: a server that died before it was ready that many
-times needs a person (a model path, a flag, a driver), not a sixth try.
+requests) rather than looped, and stays until kvctl is reloaded or restarted: a server that died before it was ready
+that many times needs a person (a model path, a flag, a driver), not a sixth try.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ class Supervisor:
         times = f"{n} time" + ("" if n == 1 else "s")
         self.status.failure = (
             f"llama-server failed to start {times} in a row (last exit: {describe_exit(last)}); "
-            "kvctl does not start it again until kvctl itself is restarted"
+            "kvctl does not start it again until kvctl itself is reloaded (kvctl reload) or restarted"
         )
         self._set(SupervisorState.FAILED)
         self.metrics.upstream_failed.set(1)
@@ -398,7 +398,7 @@ class Supervisor:
                 )
                 return False
             if self.keeper is not None:
-                self.keeper.server_started(proc.pid, out.read_ends())
+                self.keeper.server_started(proc.pid, self.status.argv[0], out.read_ends())
             out.spawned()
             return await self._watch(proc, out)
         finally:
@@ -413,6 +413,10 @@ class Supervisor:
                 os.close(fd)
             return None
         try:
+            with open(f"/proc/{adopt['pid']}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0")[0].decode(errors="replace")
+            if argv0 != adopt.get("argv0"):
+                raise ProcessLookupError(f"pid {adopt['pid']} runs {argv0!r} now")  # the server's pid, reused
             proc = Adopted(adopt["pid"], self.keeper)
         except OSError:  # gone meanwhile: start one
             for fd in fds:
@@ -444,6 +448,8 @@ class Supervisor:
                 self._ready.clear()
         # the leader is gone: whatever it started (a helper, a grandchild) must not outlive it holding the GPU
         kill_group(proc.pid)
+        if self.keeper is not None:
+            self.keeper.server_gone()  # the next worker must not adopt its pid, which another process may get
         rc = proc.returncode if proc.returncode is not None else -1
         at, uptime = time.time(), time.monotonic() - started
         tail = await out.finish()
