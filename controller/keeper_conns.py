@@ -53,6 +53,16 @@ def _request_line(data: bytearray) -> bool:
     return _METHOD.match(head) is not None or (len(head) < 16 and not head.startswith((b"\r", b"\n", b" ")))
 
 
+def _recv(sock: socket.socket) -> bytes | None:
+    """What a non-blocking socket has: None for nothing yet, b"" for its end (or an error)."""
+    try:
+        return sock.recv(1 << 16)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
+
 class Chunks:
     """A chunked body as it arrives: ``feed`` gives back each whole chunk (size line to its CRLF) and the payload."""
 
@@ -180,12 +190,9 @@ class Connections:
         self.sel.register(sock, selectors.EVENT_READ, ("client", c))
 
     def on_client(self, c: Conn) -> None:
-        try:
-            data = c.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+        data = _recv(c.sock)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self.close(c)
             return
@@ -320,12 +327,9 @@ class Connections:
 
     def on_pair(self, c: Conn) -> None:
         assert c.pair is not None
-        try:
-            data = c.pair.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+        data = _recv(c.pair)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             if c.tunnel:
                 self.close(c)
