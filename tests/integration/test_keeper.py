@@ -201,11 +201,14 @@ async def _worker_pid(http: aiohttp.ClientSession, admin: str, other_than: int |
     raise AssertionError("no worker answered /status")
 
 
-async def _reload(admin: str, *args: str) -> tuple[int, str, str]:
-    """``kvctl reload`` as an operator runs it: its exit code, stdout and stderr."""
+async def _reload(admin: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``kvctl reload`` as an operator runs it (with ``env``: ``--environment``, those KVCTL_ variables): its exit
+    code, stdout and stderr."""
+    extra = ["--environment"] if env is not None else []
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "controller.cli", "reload", "--admin", admin.removeprefix("http://"), *args,
+        sys.executable, "-m", "controller.cli", "reload", "--admin", admin.removeprefix("http://"), *args, *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}, **(env or {})},
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 150)
     return proc.returncode or 0, out.decode(), err.decode()
@@ -290,6 +293,14 @@ async def test_reload_and_sighup_take_new_settings_and_keep_every_stream(
         assert code == 1 and "serves on" in err, (code, out, err)
         assert await _worker_pid(http, kv.admin) == pid
         assert (await get_json(http, kv.admin + "/status"))["keeper"]["reloads_failed"] == 1
+
+        # systemd's ExecReload: the new worker takes the caller's KVCTL_ variables (the EnvironmentFile read again)
+        config.write_text("[policy]\nhigh = 0.9\n")
+        code, out, err = await _reload(kv.admin, env={"KVCTL_POLICY__LOW": "0.7"})
+        assert code == 0, (out, err)
+        await _worker_pid(http, kv.admin, other_than=pid)
+        pool = (await get_json(http, kv.admin + "/status"))["pool"]
+        assert (pool["low"], pool["high"]) == (0.7, 0.9), pool
     finally:
         await kv.stop()
 
