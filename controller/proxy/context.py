@@ -193,7 +193,7 @@ class RequestContext:
     transcript: Transcript | None = None  # what a replay continues from
     on_response: Callable[[], None] | None = None  # called once the server's response has started
     # under the keeper (controller.proxy.takeover): the server's stream of this request outlives this worker
-    conv_prefix: str | None = None  # what its conversation ids begin with (its request id)
+    conv_prefix: str | None = None  # what its conversation ids begin with (from the keeper's secret, never shown)
     conv: str | None = None  # the conversation id of the stream sent or attached last
     again: bool = False  # the keeper sent it again: the worker before this one had it
     attached: bool = False  # relayed from the server's stream buffer (GET /v1/stream), not a response of its own
