@@ -25,7 +25,6 @@ spawned server's pid), ``bye`` (exiting on purpose, with its code).
 
 from __future__ import annotations
 
-import array
 import json
 import os
 import secrets
@@ -36,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from controller.keeper_conns import EOF_GRACE_S, Conn, Connections, log
+from controller.keeper_conns import EOF_GRACE_S, Conn, Connections, log, recv_message, send_message
 
 # what crosses from one worker to the next (these messages, the resume's framing, the conversation ids a worker names
 # its server streams by) is protocol 1; a worker names the protocols it speaks, the keeper (never replaced by a
@@ -92,23 +91,13 @@ class Keeper(Connections):
         return w
 
     def send(self, w: Worker, msg: dict[str, object], fds: list[int] | None = None) -> bool:
-        data = json.dumps(msg).encode()
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        try:
-            w.ctrl.sendmsg([data], anc)
-            return True
-        except OSError:
-            return False
+        return send_message(w.ctrl, msg, fds)
 
     def on_ctrl(self, w: Worker) -> None:
-        fds: list[int] = []
         try:
-            data, anc, _, _ = w.ctrl.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4))
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds += array.array("i", payload[: len(payload) - len(payload) % 4])
-        except OSError:
-            data = b""
+            data, fds = recv_message(w.ctrl)
+        except (BlockingIOError, InterruptedError):
+            return
         if not data:
             self.worker_died(w)
             return

@@ -8,6 +8,7 @@ next worker would have to finish. Standard library only, like the keeper.
 
 from __future__ import annotations
 
+import array
 import json
 import re
 import selectors
@@ -51,6 +52,32 @@ def _request_line(data: bytearray) -> bool:
     """Whether ``data`` may begin a request (a method, then a space); what has not come yet may."""
     head = bytes(data[:64])
     return _METHOD.match(head) is not None or (len(head) < 16 and not head.startswith((b"\r", b"\n", b" ")))
+
+
+def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> bool:
+    """One JSON message on a keeper's control socket, with descriptors; False when the other end is gone."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    try:
+        sock.sendmsg([json.dumps(msg).encode()], anc)
+        return True
+    except OSError:
+        return False
+
+
+def recv_message(sock: socket.socket, max_fds: int = 8) -> tuple[bytes, list[int]]:
+    """One message of a keeper's control socket and the descriptors it carries (b"": the other end is gone).
+    Raises BlockingIOError on a non-blocking socket with nothing to read."""
+    try:
+        data, anc, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(max_fds * 4))
+    except (BlockingIOError, InterruptedError):
+        raise
+    except OSError:
+        return b"", []
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += array.array("i", payload[: len(payload) - len(payload) % 4])
+    return data, fds
 
 
 def _recv(sock: socket.socket) -> bytes | None:

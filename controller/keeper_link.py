@@ -9,7 +9,6 @@ server's stream of the same request again (``request_id``).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import hashlib
@@ -24,12 +23,11 @@ import structlog
 from aiohttp import web
 
 from controller.keeper import EPOCH_ENV, FD_ENV, PROTOCOL
+from controller.keeper_conns import recv_message, send_message
 
 __all__ = ["KeeperError", "KeeperLink", "Pair"]
 
 log = structlog.get_logger("kvctl.keeper")
-
-_MAX_FDS = 8
 
 
 class KeeperError(Exception):
@@ -57,7 +55,6 @@ class KeeperLink:
         self.on_lost: Callable[[], None] | None = None
         self.abandoned: list[str] = []  # requests whose clients left while no worker had them (the keeper's word)
         self.on_abandoned: Callable[[], None] | None = None
-        self._seen: set[tuple[int, int]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reloads_failed = 0
         self._exits: dict[int, asyncio.Future[int]] = {}
@@ -77,23 +74,15 @@ class KeeperLink:
     def _readable(self) -> None:
         while True:
             try:
-                data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+                data, fds = recv_message(self.sock)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                data, anc = b"", []
             if not data:
                 asyncio.get_running_loop().remove_reader(self.sock.fileno())
                 self.lost.set()
                 if self.on_lost is not None:
                     self.on_lost()
                 return
-            fds: list[int] = []
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
-                    fds.extend(a)
             msg = json.loads(data)
             if msg.get("op") == "conn" and fds:
                 self._conn(msg, socket.socket(fileno=fds[0]))
@@ -113,9 +102,7 @@ class KeeperLink:
                 self._msgs.put_nowait((msg, fds))
 
     def _conn(self, msg: dict[str, Any], pair: socket.socket) -> None:
-        key = (int(msg["id"]), int(msg["seq"]))
-        info = Pair(key[0], key[1], again=key in self._seen or bool(msg.get("again")), resume=bool(msg["resume"]))
-        self._seen.add(key)
+        info = Pair(int(msg["id"]), int(msg["seq"]), again=bool(msg.get("again")), resume=bool(msg["resume"]))
         self.pairs[pair.fileno()] = info
         if self._serve is None:
             self._early.append((msg, pair))
@@ -123,9 +110,7 @@ class KeeperLink:
             self._serve(msg, pair)
 
     def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        with contextlib.suppress(OSError):
-            self.sock.sendmsg([json.dumps(msg).encode()], anc)
+        send_message(self.sock, msg, fds)
 
     async def _expect(self, op: str) -> tuple[dict[str, Any], list[int]]:
         lost = asyncio.ensure_future(self.lost.wait())

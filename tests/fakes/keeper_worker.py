@@ -14,26 +14,22 @@ Run as ``python -m tests.fakes.keeper_worker``; the keeper starts it with its co
 
 from __future__ import annotations
 
-import array
 import json
 import os
 import socket
 
 from controller.keeper import FD_ENV, PROTOCOL
+from controller.keeper_conns import recv_message, send_message
 
 
 def _send(ctrl: socket.socket, msg: dict[str, object]) -> None:
-    ctrl.send(json.dumps(msg).encode())
+    send_message(ctrl, msg)
 
 
 def _recv(ctrl: socket.socket) -> tuple[dict[str, object], list[int]]:
-    data, anc, _, _ = ctrl.recvmsg(1 << 16, socket.CMSG_SPACE(8 * 4))
+    data, fds = recv_message(ctrl)
     if not data:
         raise SystemExit(0)
-    fds: list[int] = []
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds += array.array("i", payload[: len(payload) - len(payload) % 4])
     return json.loads(data), fds
 
 
