@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the patched llama-server that kvctl drives, and cache it outside the checkout.
 #
-#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--ui|--no-ui] [--amx] [--no-patches] [--jobs N] [--force]
+#   scripts/build_llama.sh [--cuda] [--cuda-arch LIST] [--portable] [--ui|--no-ui] [--amx] [--no-patches] [--jobs N] [--force]
 #   scripts/build_llama.sh --extract DIR     (only fetch the pinned source into DIR, unpatched)
 #
 # The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python 0.3.36
@@ -21,6 +21,11 @@
 # (-march=native stays; explicit -mno-* flags win over it); --amx builds it in again. The same holds
 # with --no-patches, so the benchmarks' upstream build runs the same models.
 #
+# --portable builds for any x86-64-v3 CPU (AVX2, FMA, F16C, BMI2: Haswell, Zen and newer) or any
+# ARMv8 CPU instead of this machine's (-DGGML_NATIVE=OFF): what the container images ship. With
+# --cuda, --cuda-arch default leaves the CUDA architectures to ggml (every major one; an image build
+# has no GPU to ask), and native (the default) builds for the GPUs present.
+#
 # Progress goes to stderr; the last line of stdout is the path of the llama-server binary.
 # Environment: KVCTL_PATCHES_DIR (default: patches/ of this checkout), KVCTL_LLAMA_SDIST
 # (a local copy of the sdist), KVCTL_LLAMA_SRC (a trimmed source tarball written by
@@ -30,6 +35,7 @@ set -euo pipefail
 
 readonly SDIST_NAME="llama_cpp_python-0.3.36.tar.gz"
 readonly SDIST_SPEC="llama-cpp-python==0.3.36"
+readonly SDIST_URL="https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/$SDIST_NAME"
 readonly SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 readonly UPSTREAM_COMMIT="0c1e5709"
 
@@ -40,6 +46,7 @@ cache="${KVCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvctl}"
 
 cuda=0
 cuda_arch="native"
+portable=0
 ui=auto
 use_patches=1
 amx=0
@@ -49,13 +56,14 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 
 log() { printf 'build_llama: %s\n' "$*" >&2; }
 die() { printf 'build_llama: error: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --cuda) cuda=1 ;;
         --cuda-arch) [ $# -ge 2 ] || die "--cuda-arch needs a value"; cuda_arch="$2"; shift ;;
         --cuda-arch=*) cuda_arch="${1#*=}" ;;
+        --portable) portable=1 ;;
         --ui) ui=1 ;;
         --no-ui) ui=0 ;;
         --no-patches) use_patches=0 ;;
@@ -99,8 +107,12 @@ case "$(uname -m)" in
         fi ;;
     *) amx_info="no AMX on $(uname -m)" ;;
 esac
+if [ "$portable" = 1 ]; then
+    flags+=(-DGGML_NATIVE=OFF)
+fi
 if [ "$cuda" = 1 ]; then
-    flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch")
+    flags+=(-DGGML_CUDA=ON)
+    [ "$cuda_arch" = default ] || flags+=("-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch")
 fi
 # shellcheck disable=SC2206 # CMAKE_ARGS is a flag list by convention
 [ -n "${CMAKE_ARGS:-}" ] && flags+=(${CMAKE_ARGS})
@@ -156,8 +168,15 @@ else
     sdist="${KVCTL_LLAMA_SDIST:-$cache/sdist/$SDIST_NAME}"
     if [ ! -f "$sdist" ]; then
         log "downloading $SDIST_SPEC (sdist, ~77 MB)"
-        python3 -m pip download --quiet --no-deps --no-binary :all: "$SDIST_SPEC" -d "$work/dl" >&2 \
-            || die "pip download $SDIST_SPEC failed (is the package index reachable?)"
+        # the file's address on PyPI, fixed once uploaded; pip download is the fallback for a mirror
+        # (it prepares the sdist's metadata first: minutes, building its build tools from source)
+        mkdir -p "$work/dl"
+        if ! python3 -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
+                "$SDIST_URL" "$work/dl/$SDIST_NAME" 2>"$work/dl.err"; then
+            log "$(tail -n 1 "$work/dl.err"); trying pip download"
+            python3 -m pip download --quiet --no-deps --no-binary :all: "$SDIST_SPEC" -d "$work/dl" >&2 \
+                || die "pip download $SDIST_SPEC failed (is the package index reachable?)"
+        fi
         mv "$work/dl/$SDIST_NAME" "$sdist.part"
         mv "$sdist.part" "$sdist"
     fi

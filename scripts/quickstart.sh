@@ -3,6 +3,7 @@
 #
 #   scripts/quickstart.sh            # run until Ctrl-C: the WebUI at http://127.0.0.1:8080/, the API at /v1
 #   scripts/quickstart.sh --demo     # one real answer, then a burst of chats that overflows the pool, then stop
+#                                    # (about 2 minutes on 2 CPU cores once the server is built)
 #   scripts/quickstart.sh --cuda     # build for and run on an NVIDIA GPU (the default when one and nvcc are found)
 #   scripts/quickstart.sh --cpu      # build for and run on the CPU even where a GPU is found
 #   scripts/quickstart.sh --dry-run  # say what it would build and run, and stop there
@@ -13,11 +14,14 @@
 # unless MODEL is given (MODEL=demo-tiny: the random-weight test model instead), and starts
 # `kvctl run --spawn` (the proxy and WebUI on PORT, the admin API on ADMIN_PORT, the server on SERVER_PORT).
 # On a GPU the model is offloaded (GPU_LAYERS, default all). --demo asks one question and prints the
-# answer, then sends CHATS concurrent chats of TOKENS tokens, prints how many completed and how many parks it took, stops everything it started,
-# and exits 0 only if every chat completed.
-# Settings: MODEL, PORT (8080), ADMIN_PORT (8091), SERVER_PORT (8081), CTX (8192), SLOTS (4),
+# answer, then sends CHATS concurrent chats of TOKENS tokens that together need about a third more KV
+# cells than the pool has (on the CPU a pool of 2048 cells and 4 chats of 640 tokens, sized to finish in
+# about 2 minutes on 2 cores; on a GPU 8192 cells and 4 chats of 2600), prints how many completed and how
+# many parks it took, stops everything it started, and exits 0 only if every chat completed.
+# Settings: MODEL, PORT (8080), ADMIN_PORT (8091), SERVER_PORT (8081), CTX (8192; 2048 for --demo on
+# the CPU), SLOTS (4),
 # THREADS (on the CPU one less than the cores, at least 1: ggml's spinning threads must not share a core
-# with kvctl; on a GPU all cores), GPU_LAYERS (all), CHATS (4), TOKENS (3000),
+# with kvctl; on a GPU all cores), GPU_LAYERS (all), CHATS (4), TOKENS (640 on the CPU, 2600 on a GPU),
 # KVCTL_VENV (.venv), CUDA_HOME (/usr/local/cuda, where nvcc is looked for after PATH), EXTRA_ARGS (server flags).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,7 +36,7 @@ for arg in "$@"; do
         --cuda) backend=cuda ;;
         --cpu) backend=cpu ;;
         --dry-run) dry=1 ;;
-        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "quickstart: unknown argument: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -72,10 +76,16 @@ else
 fi
 
 port="${PORT:-8080}" admin="${ADMIN_PORT:-8091}" sport="${SERVER_PORT:-8081}"
+# --demo's burst, sized to the machine: 4 chats that need about a third more cells than the pool has
+if [ "$demo" = 1 ] && [ "$backend" = cpu ]; then
+    ctx="${CTX:-2048}" tokens="${TOKENS:-640}"
+else
+    ctx="${CTX:-8192}" tokens="${TOKENS:-2600}"
+fi
 if [ "$dry" = 1 ]; then
     say "would run: scripts/build_llama.sh ${build_args[*]}"
     say "would run: kvctl run --listen 127.0.0.1:$port --admin 127.0.0.1:$admin --spawn -- llama-server" \
-        "--port $sport -c ${CTX:-8192} -np ${SLOTS:-4} ${gpu_args[*]}"
+        "--port $sport -c $ctx -np ${SLOTS:-4} ${gpu_args[*]}"
     exit 0
 fi
 
@@ -115,7 +125,7 @@ elif [ "$model" = demo-tiny ]; then
 fi
 
 # shellcheck disable=SC2206 # EXTRA_ARGS is a flag list
-server=("$bin" -m "$model" --host 127.0.0.1 --port "$sport" -c "${CTX:-8192}" -np "${SLOTS:-4}" -kvu
+server=("$bin" -m "$model" --host 127.0.0.1 --port "$sport" -c "$ctx" -np "${SLOTS:-4}" -kvu
         --slots --metrics -t "$threads" "${gpu_args[@]+"${gpu_args[@]}"}" ${EXTRA_ARGS:-})
 kvctl=(kvctl run --upstream "http://127.0.0.1:$sport" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin"
        --spawn -- "${server[@]}")
@@ -165,5 +175,14 @@ stop() {
 trap stop EXIT
 say "starting the stack (log: $log)"
 wait_ready "$pid" "$log" || exit 1
+rc=0
 python -m testkit.demo --proxy "http://127.0.0.1:$port" --admin "http://127.0.0.1:$admin" \
-    --server "http://127.0.0.1:$sport" --chats "${CHATS:-4}" --tokens "${TOKENS:-3000}"
+    --server "http://127.0.0.1:$sport" --chats "${CHATS:-4}" --tokens "$tokens" --ctx "$ctx" || rc=$?
+cat >&2 <<EOT
+
+quickstart: try it with your own model (any GGUF llama-server loads):
+quickstart:   MODEL=/path/to/model.gguf scripts/quickstart.sh             # the WebUI and the API at http://127.0.0.1:$port
+quickstart:   MODEL=/path/to/model.gguf scripts/quickstart.sh --demo      # this burst on your model (CTX, CHATS, TOKENS size it)
+quickstart: then point any OpenAI or Anthropic client at http://127.0.0.1:$port/v1; see README.md for production
+EOT
+exit "$rc"

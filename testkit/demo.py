@@ -1,6 +1,6 @@
 """The quickstart's demo: a burst of concurrent chats that would overflow the pool.
 
-    python -m testkit.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000] [--question TEXT]
+    python -m testkit.demo --proxy URL --admin URL --server URL [--chats 4] [--tokens 3000] [--ctx N] [--question TEXT]
 
 Asks one question and prints the answer (a real model answers it; --question '' skips it), then sends
 the chats through kvctl's proxy with the openai SDK, then prints how many completed and how many parks
@@ -17,6 +17,9 @@ import time
 import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
+# a chat's prompt with its template (SmolLM2's ChatML: about 30 tokens)
+PROMPT_CELLS = 30
 
 
 async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, int, str]:
@@ -72,6 +75,14 @@ async def run(args: argparse.Namespace) -> int:
         auto0 = await metric(s, args.server, "llamacpp:slot_auto_parks_total")
         t0 = time.monotonic()
         print(f"demo: {args.chats} concurrent chats of {args.tokens} tokens each, through {args.proxy}", flush=True)
+        if args.ctx:
+            need = args.chats * (args.tokens + PROMPT_CELLS)
+            print(
+                f"demo: together they need about {need} KV cells and the pool has {args.ctx}: without kvctl, "
+                "llama-server would fail every one of them ('Context size has been exceeded.') once it fills; "
+                "kvctl parks some and resumes them when there is room",
+                flush=True,
+            )
         results = await asyncio.gather(*[chat(client, i, args.tokens) for i in range(args.chats)])
         wall = time.monotonic() - t0
         kvctl_parks = await metric(s, args.admin, "kvctl_parks_total") - kvctl0
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", default="http://127.0.0.1:8081")
     ap.add_argument("--chats", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=3000)
+    ap.add_argument("--ctx", type=int, default=0, help="the server's pool (-c), to say how far the burst overflows it")
     ap.add_argument("--question", default="What is the capital of France?")
     return asyncio.run(run(ap.parse_args(argv)))
 

@@ -33,6 +33,7 @@ from controller.cli.client import (
     watch,
 )
 from controller.keeper import FD_ENV
+from controller.metrics import kvctl_version
 from controller.settings import Settings, SettingsError, deprecations, load_settings, split_host_port
 from controller.upstream.models import ParkMode
 
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, help="TOML settings file (tables named after the settings groups)")
+    p.add_argument("--version", action="version", version=f"kvctl {kvctl_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(

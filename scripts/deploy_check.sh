@@ -1,0 +1,219 @@
+#!/usr/bin/env bash
+# Run the deployment artifacts for real, on this machine, and say what held.
+#
+#   scripts/deploy_check.sh [images] [pod] [systemd] [quickstart]     (default: all four, in that order)
+#
+#   images      the base image made locally (deploy/containers/base-image.sh, unless it exists), then
+#               deploy/containers/build.sh: the CPU server image and the kvctl image; their users and sizes
+#   pod         podman kube play deploy/k8s/kvctl-sidecar.yaml with SmolLM2 (sized to this box, the
+#               changes printed): kvctl ready, a chat and the WebUI through kvctl with a client key, a
+#               burst that overflows the pool, then the preStop drain under a burst and the pod's stop
+#   systemd     deploy/systemd's units under systemd in a container, set up as deploy/README.md says:
+#               both started, a chat, `systemctl reload kvctl` with a changed setting under a burst,
+#               `systemctl stop kvctl` under streams, `systemd-analyze security`
+#   quickstart  scripts/quickstart.sh --demo, timed, with the server's build cached
+#
+# Root on Debian 12 (podman is rootful here: the units' sandboxing needs a privileged container). Installs
+# podman, buildah, mmdebstrap and runc if missing. About 25 min on 2 cores the first time (the server
+# image compiles llama.cpp), 6 min once the images are built. Too long for CI: the README names it, and
+# deploy/README.md records its last result. The log is also written to DEPLOY_CHECK_LOG
+# (default: deploy-check.log in the checkout, ignored by git).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+log="${DEPLOY_CHECK_LOG:-$root/deploy-check.log}"
+exec > >(tee "$log") 2>&1
+
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(images pod systemd quickstart)
+version="$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml | head -n 1)"
+reg=localhost/kvctl
+server_image="$reg/llama-server:$version" kvctl_image="$reg/kvctl:$version"
+results=()
+t_start=$SECONDS
+say() { printf '\ndeploy_check: %s\n' "$*"; }
+pass() { results+=("PASS  $1"); printf 'deploy_check: PASS %s\n' "$1"; }
+fail() { results+=("FAIL  $1"); printf 'deploy_check: FAIL %s\n' "$1"; }
+check() {  # check NAME CMD...: run CMD, record whether it exited 0
+    local name="$1"; shift
+    if "$@"; then pass "$name"; else fail "$name"; fi
+}
+summary() {
+    say "summary ($(( (SECONDS - t_start) / 60 )) min $(( (SECONDS - t_start) % 60 )) s; $(date -u +%Y-%m-%dT%H:%MZ); $(git rev-parse --short HEAD))"
+    printf '  %s\n' "${results[@]}"
+    for r in "${results[@]}"; do [[ "$r" == PASS* ]] || exit 1; done
+}
+trap summary EXIT
+
+# --- tools and podman's settings for this machine ---------------------------------------------
+[ "$(id -u)" = 0 ] || { echo "deploy_check: run as root (rootful podman)" >&2; exit 2; }
+missing=()
+for t in podman buildah mmdebstrap runc nsenter; do command -v "$t" >/dev/null || missing+=("$t"); done
+if [ ${#missing[@]} -gt 0 ]; then
+    say "installing ${missing[*]}"
+    apt-get install -y --no-install-recommends podman buildah mmdebstrap runc uidmap >/dev/null
+fi
+work="$(mktemp -d -t kvctl-deploy-check.XXXXXX)"
+# runc, not crun: crun refuses a host with cgroups v1 and v2 mounted together; the containers' limits no
+# higher than this process's own hard limits (it may lack CAP_SYS_RESOURCE)
+nofile="$(ulimit -Hn)" nproc="$(ulimit -Hu)"
+[ "$nproc" = unlimited ] || [ "$nproc" -gt 32768 ] && nproc=32768
+printf '[containers]\ndefault_ulimits = ["nofile=%s:%s", "nproc=%s:%s"]\n[engine]\nruntime = "runc"\n' \
+    "$nofile" "$nofile" "$nproc" "$nproc" >"$work/containers.conf"
+export CONTAINERS_CONF="$work/containers.conf"
+
+venv="${KVCTL_VENV:-$root/.venv}"
+if ! "$venv/bin/python" -c 'import openai, yaml, prometheus_client' 2>/dev/null; then
+    say "installing kvctl with the demo's tools into $venv"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet -e ".[demo]" pyyaml
+fi
+py="$venv/bin/python"
+model="$("$py" -m testkit.realmodels path smollm2)"
+in_netns() {  # in_netns PID CMD...: CMD in that process's network namespace (kvctl listens on its loopback)
+    local pid="$1"; shift
+    nsenter -t "$pid" -n "$@"
+}
+wait_ready() {  # wait_ready PID SECONDS: kvctl's /readyz answers 200 in that namespace
+    for _ in $(seq "$2"); do
+        in_netns "$1" curl -fsS -o /dev/null 127.0.0.1:8091/readyz 2>/dev/null && return 0
+        sleep 1
+    done
+    return 1
+}
+
+# --- images -----------------------------------------------------------------------------------
+step_images() {
+    say "images: the base image, then deploy/containers/build.sh"
+    deploy/containers/base-image.sh
+    local t0=$SECONDS
+    if deploy/containers/build.sh server kvctl; then
+        pass "images: built in $(( SECONDS - t0 )) s"
+    else
+        fail "images: deploy/containers/build.sh"; return 1
+    fi
+    local img
+    for img in "$server_image" "$kvctl_image"; do
+        check "images: $img runs as $(podman image inspect -f '{{.Config.User}}' "$img"), $(( $(podman image inspect -f '{{.Size}}' "$img") / 1000000 )) MB" \
+            test "$(podman image inspect -f '{{.Config.User}}' "$img")" = 10001:10001
+    done
+    check "images: llama-server --version in its image" podman run --rm "$server_image" --version
+    check "images: kvctl --version in its image" podman run --rm "$kvctl_image" kvctl --version
+}
+
+# --- the pod ----------------------------------------------------------------------------------
+step_pod() {
+    say "pod: podman kube play deploy/k8s/kvctl-sidecar.yaml"
+    local pod=kvctl-llama-pod-0 key token peer
+    podman pod rm -f "$pod" >/dev/null 2>&1 || true
+    podman volume rm -f llama-models >/dev/null 2>&1 || true
+    # the PersistentVolumeClaim llama-models is podman's named volume of that name
+    podman volume create llama-models >/dev/null
+    install -m 0644 "$model" "$(podman volume inspect -f '{{.Mountpoint}}' llama-models)/model.gguf"
+    # the three Secrets of the manifest's header, as podman secrets: podman 4.3 reads an env secret as a
+    # JSON map of base64 values and a volume secret as a Kubernetes Secret
+    key="$(openssl rand -hex 16)" token="$(openssl rand -hex 16)" peer="$(openssl rand -hex 16)"
+    b64() { printf '%s' "$1" | base64 -w0; }
+    printf '{"token": "%s"}' "$(b64 "$token")" >"$work/admin.json"
+    printf '{"key": "%s"}' "$(b64 "$peer")" >"$work/peer.json"
+    printf '{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kvctl-api-keys"}, "data": {"keys": "%s"}}' \
+        "$(b64 "$key deploy-check")" >"$work/keys.json"
+    podman secret rm kvctl-admin kvctl-peer kvctl-api-keys >/dev/null 2>&1 || true
+    podman secret create kvctl-admin "$work/admin.json" >/dev/null
+    podman secret create kvctl-peer "$work/peer.json" >/dev/null
+    podman secret create kvctl-api-keys "$work/keys.json" >/dev/null
+    say "pod: what differs from the manifest on this box"
+    "$py" -m testkit.deploycheck pod-yaml deploy/k8s/kvctl-sidecar.yaml "$work/pod.yaml" --server-image "$server_image"
+    check "pod: podman kube play" podman kube play "$work/pod.yaml" || return 1
+    local infra pid
+    infra="$(podman pod inspect -f '{{.InfraContainerID}}' "$pod")"
+    pid="$(podman inspect -f '{{.State.Pid}}' "$infra")"
+    podman ps --pod --filter "pod=$pod" --format '  {{.Names}} {{.Status}} user={{.Labels}}' | cut -c1-100
+    check "pod: kvctl's /readyz 200 (the readiness probe's URL) within 180 s" wait_ready "$pid" 180
+    check "pod: both containers run as uid 10001" test "$(podman top "$pod-kvctl" huser | tail -n +2 | sort -u)$(podman top "$pod-llama-server" huser | tail -n +2 | sort -u)" = 1000110001
+    check "pod: the liveness probe (podman's healthcheck)" podman healthcheck run "$pod-kvctl"
+    check "pod: a request without a client key gets 401" \
+        test "$(in_netns "$pid" curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:8080/v1/models)" = 401
+    check "pod: a chat through kvctl answers" in_netns "$pid" "$py" -m testkit.deploycheck chat --proxy http://127.0.0.1:8080 --api-key "$key"
+    check "pod: the WebUI through kvctl" sh -c "nsenter -t $pid -n curl -fsS --compressed -H 'Authorization: Bearer $key' 127.0.0.1:8080/ | grep -qi '<html'"
+    check "pod: an overflowing burst (4 chats of 640 tokens, 2048 cells) completes with parks" \
+        in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --api-key "$key" \
+        --admin http://127.0.0.1:8091 --token "$token"
+    # podman does not run lifecycle hooks: run the kvctl container's preStop as the kubelet would, under
+    # a burst, then stop the pod as the kubelet does (SIGTERM, terminationGracePeriodSeconds)
+    check "pod: the preStop drain (kvctl drain --json) under a burst: every chat whole" \
+        in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --api-key "$key" \
+        --admin http://127.0.0.1:8091 --token "$token" --chats 2 --tokens 160 --min-parks 0 \
+        --during "podman exec $pod-kvctl kvctl drain --json"
+    local t0=$SECONDS
+    check "pod: podman pod stop -t 75" podman pod stop -t 75 "$pod"
+    say "pod: stopped in $(( SECONDS - t0 )) s; kvctl's last lines:"
+    podman logs --tail 4 "$pod-kvctl" 2>&1 | cut -c1-240
+    check "pod: kvctl exited 0 on SIGTERM" test "$(podman inspect -f '{{.State.ExitCode}}' "$pod-kvctl")" = 0
+    podman pod rm -f "$pod" >/dev/null
+}
+
+# --- systemd ----------------------------------------------------------------------------------
+step_systemd() {
+    say "systemd: deploy/systemd's units under systemd in a container"
+    local c=kvctl-systemd image=localhost/kvctl-check/systemd pid
+    podman build --layers -q -f tests/deploy/systemd.Containerfile --build-arg "SERVER_IMAGE=$server_image" \
+        --build-arg "KVCTL_IMAGE=$kvctl_image" -t "$image" . >/dev/null || { fail "systemd: image"; return 1; }
+    podman rm -f "$c" >/dev/null 2>&1 || true
+    podman run -d --name "$c" --privileged --systemd=always "$image" >/dev/null
+    pid="$(podman inspect -f '{{.State.Pid}}' "$c")"
+    sx() { podman exec "$c" "$@"; }
+    for _ in $(seq 30); do sx systemctl is-system-running 2>/dev/null | grep -qE 'running|degraded' && break; sleep 1; done
+    podman cp "$model" "$c:/srv/models/model.gguf"
+    sx chmod 0644 /srv/models/model.gguf
+    # the operator's edits of deploy/README.md step 4, sized to this box (a pool of 2048 cells, one thread)
+    sx sed -i -e 's/^LLAMA_ARG_CTX_SIZE=.*/LLAMA_ARG_CTX_SIZE=2048/' -e 's/^LLAMA_ARG_N_PARALLEL=.*/LLAMA_ARG_N_PARALLEL=4/' \
+        -e 's/^LLAMA_ARG_PARK_RAM=.*/LLAMA_ARG_PARK_RAM=512/' -e 's/^LLAMA_SERVER_ARGS=.*/LLAMA_SERVER_ARGS=-t 1/' \
+        /etc/kvctl/llama-server.env
+    sx sed -i 's/^# *KVCTL_POLICY__SNAPSHOT_BUDGET_MIB=.*/KVCTL_POLICY__SNAPSHOT_BUDGET_MIB=512/' /etc/kvctl/kvctl.env
+    check "systemd: systemctl enable --now llama-server.service kvctl.service" \
+        sx systemctl enable --now llama-server.service kvctl.service
+    check "systemd: kvctl.service active (READY=1 once it polled the server) and /readyz 200" wait_ready "$pid" 180
+    sx systemctl --no-pager status kvctl.service llama-server.service | grep -E '●|Active:|Main PID' || true
+    check "systemd: a chat through kvctl answers" in_netns "$pid" "$py" -m testkit.deploycheck chat --proxy http://127.0.0.1:8080
+    local main0 high
+    main0="$(sx systemctl show -p MainPID --value kvctl.service)"
+    check "systemd: systemctl reload kvctl (KVCTL_POLICY__HIGH=0.9 in kvctl.env) under a burst: every chat whole" \
+        in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --admin http://127.0.0.1:8091 \
+        --during "podman exec $c sh -c \"sed -i 's/^# *KVCTL_POLICY__HIGH=.*/KVCTL_POLICY__HIGH=0.9/' /etc/kvctl/kvctl.env && systemctl reload kvctl\""
+    high="$(in_netns "$pid" curl -fsS 127.0.0.1:8091/status | "$py" -c 'import json,sys; print(json.load(sys.stdin)["policy"]["high"])' 2>&1 || true)"
+    check "systemd: after the reload /status has HIGH $high, the same main PID (the keeper)" \
+        test "$high $(sx systemctl show -p MainPID --value kvctl.service)" = "0.9 $main0"
+    check "systemd: systemctl stop kvctl under 2 streams: both whole (the drain)" \
+        in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --admin http://127.0.0.1:8091 \
+        --chats 2 --tokens 160 --min-parks 0 --no-after --during "podman exec $c systemctl stop kvctl"
+    check "systemd: kvctl.service stopped cleanly (Result=success)" \
+        test "$(sx systemctl show -p Result --value kvctl.service)" = success
+    say "systemd: systemd-analyze security"
+    sx systemd-analyze security --no-pager llama-server.service kvctl.service 2>/dev/null | grep -i 'overall exposure' || true
+    check "systemd: both units rate OK or better" sh -c \
+        "podman exec $c systemd-analyze security --no-pager --threshold=20 llama-server.service kvctl.service >/dev/null"
+    say "systemd: kvctl's journal (JSON lines), last 3"
+    sx journalctl -u kvctl.service -o cat --no-pager | tail -n 3 | cut -c1-240
+    podman rm -f "$c" >/dev/null
+}
+
+# --- the quickstart ---------------------------------------------------------------------------
+step_quickstart() {
+    say "quickstart: scripts/quickstart.sh --demo (the server's build cached first)"
+    scripts/build_llama.sh >/dev/null
+    local t0=$SECONDS
+    if scripts/quickstart.sh --demo; then
+        pass "quickstart: --demo completed in $(( SECONDS - t0 )) s"
+        check "quickstart: within 3 minutes" test $(( SECONDS - t0 )) -le 180
+    else
+        fail "quickstart: --demo"
+    fi
+}
+
+for s in "${steps[@]}"; do
+    case "$s" in
+        images|pod|systemd|quickstart) "step_$s" || true ;;
+        *) echo "deploy_check: unknown step: $s (images, pod, systemd, quickstart)" >&2; exit 2 ;;
+    esac
+done
