@@ -492,8 +492,8 @@ def test_k8s_pod_runs_kvctl_as_the_server_s_sidecar(monkeypatch: pytest.MonkeyPa
 
     ports = {p["name"]: p["containerPort"] for p in kvctl["ports"]}
     assert ports == {"proxy": PROXY_PORT, "admin": ADMIN_PORT}
-    assert kvctl["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
-    assert kvctl["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert kvctl["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": ADMIN_PORT}
+    assert kvctl["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": ADMIN_PORT}
     for c in (server, kvctl):
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], c["name"]
         assert c["securityContext"]["allowPrivilegeEscalation"] is False

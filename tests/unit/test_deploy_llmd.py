@@ -269,8 +269,8 @@ def test_the_pool_selects_the_deployment_s_pods_on_kvctl_s_proxy_port(variant: P
     proxy_port = split_host_port(DEFAULTS.proxy.listen)[1]
     assert pool["targetPorts"] == [{"number": ports["proxy"]}] and ports["proxy"] == proxy_port
     # only Ready pods are routed to: readiness is kvctl's, liveness only its event loop
-    assert kvctl["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
-    assert kvctl["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    assert kvctl["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": ports["admin"]}
+    assert kvctl["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": ports["admin"]}
 
 
 def test_the_picker_serves_the_pool() -> None:
