@@ -11,7 +11,8 @@
 #   systemd     deploy/systemd's units under systemd in a container, set up as deploy/README.md says:
 #               both started, a chat, `systemctl reload kvctl` with a changed setting under a burst,
 #               `systemctl stop kvctl` under streams, `systemd-analyze security`
-#   quickstart  scripts/quickstart.sh --demo, timed, with the server's build cached
+#   quickstart  scripts/quickstart.sh --demo, timed, with the server's build cached but a new virtual
+#               environment and model download
 #
 # Root on Debian 12 (podman is rootful here: the units' sandboxing needs a privileged container). Installs
 # podman, buildah, mmdebstrap and runc if missing. About 25 min on 2 cores the first time (the server
@@ -220,10 +221,12 @@ step_systemd() {
 
 # --- the quickstart ---------------------------------------------------------------------------
 step_quickstart() {
-    say "quickstart: scripts/quickstart.sh --demo (the server's build cached first)"
+    # what a newcomer waits for once the server is built: a new virtual environment, the model's
+    # download, the stack's start, the question and the burst
+    say "quickstart: scripts/quickstart.sh --demo with a new venv and model folder (the server's build cached first)"
     scripts/build_llama.sh >/dev/null
     local t0=$SECONDS
-    if scripts/quickstart.sh --demo; then
+    if KVCTL_VENV="$work/venv" KVCTL_MODELS_DIR="$work/models" scripts/quickstart.sh --demo; then
         pass "quickstart: --demo completed in $(( SECONDS - t0 )) s"
         check "quickstart: within 3 minutes" test $(( SECONDS - t0 )) -le 180
     else

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 
@@ -54,6 +55,16 @@ async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float
     )
 
 
+async def watch_pool(session: aiohttp.ClientSession, admin: str, peak: list[int]) -> None:
+    """Keep ``peak`` at the most cells in use that kvctl's /status showed, and the pool's size."""
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, KeyError, TypeError, ValueError):
+            async with session.get(admin + "/status") as resp:
+                pool = (await resp.json())["pool"]
+            peak[:] = [max(peak[0], pool["n_cells_used"]), pool["n_cells"]]
+        await asyncio.sleep(0.25)
+
+
 async def ask(client: openai.AsyncOpenAI, question: str) -> str:
     answer = await client.chat.completions.create(
         model="demo",
@@ -83,8 +94,11 @@ async def run(args: argparse.Namespace) -> int:
                 "kvctl parks some and resumes them when there is room",
                 flush=True,
             )
+        peak: list[int] = [0, 0]  # the most cells in use seen, of how many
+        watch = asyncio.ensure_future(watch_pool(s, args.admin, peak))
         results = await asyncio.gather(*[chat(client, i, args.tokens) for i in range(args.chats)])
         wall = time.monotonic() - t0
+        watch.cancel()
         kvctl_parks = await metric(s, args.admin, "kvctl_parks_total") - kvctl0
         auto_parks = await metric(s, args.server, "llamacpp:slot_auto_parks_total") - auto0
     await client.close()
@@ -92,7 +106,8 @@ async def run(args: argparse.Namespace) -> int:
     for i, (ok, n, err) in enumerate(results):
         print(f"  chat {i}: {'completed' if ok else 'FAILED'}, {n} tokens{(' - ' + err) if err else ''}")
     print(
-        f"demo: {done}/{len(results)} chats completed in {wall:.1f} s; parks: {int(kvctl_parks)} by kvctl, "
+        f"demo: {done}/{len(results)} chats completed in {wall:.1f} s; the pool peaked at {peak[0]}/{peak[1]} cells; "
+        f"parks: {int(kvctl_parks)} by kvctl, "
         f"{int(auto_parks)} by the server's safety net"
     )
     return 0 if done == len(results) else 1
