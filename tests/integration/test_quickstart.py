@@ -21,11 +21,10 @@ def test_quickstart_demo_answers_and_completes_every_chat(llama_server_bin: Path
         "PORT": str(free_port()),
         "ADMIN_PORT": str(free_port()),
         "SERVER_PORT": str(free_port()),
-        "CHATS": "4",
-        # SmolLM2 (the default model): 4 x 700 tokens and their prompts overflow a 2048-cell pool (143 %)
-        "CTX": "2048",
-        "TOKENS": "700",
     }
+    # the demo's own sizing on the CPU: 4 chats of 640 tokens and their prompts, a 2048-cell pool (131 %)
+    for name in ("CTX", "CHATS", "TOKENS", "MODEL"):
+        env.pop(name, None)
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--demo"],
         capture_output=True,
@@ -40,6 +39,8 @@ def test_quickstart_demo_answers_and_completes_every_chat(llama_server_bin: Path
     assert "SmolLM2-135M-Instruct" in res.stderr
     parks = res.stdout.split("parks: ", 1)[1]
     assert not parks.startswith("0 by kvctl, 0 by"), "the burst must overflow the pool, or the demo shows nothing"
+    assert "4 concurrent chats of 640 tokens" in res.stdout and "the pool has 2048" in res.stdout
+    assert "MODEL=/path/to/model.gguf scripts/quickstart.sh" in res.stderr, "it says how to try one's own model"
     # it shut down cleanly: no server or kvctl left behind on its ports
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"--port {env['SERVER_PORT']}" not in ps and f"127.0.0.1:{env['ADMIN_PORT']}" not in ps
