@@ -7,7 +7,9 @@
 #               deploy/containers/build.sh: the CPU server image and the kvctl image; their users and sizes
 #   pod         podman kube play deploy/k8s/kvctl-sidecar.yaml with SmolLM2 (sized to this box, the
 #               changes printed): kvctl ready, a chat and the WebUI through kvctl with a client key, a
-#               burst that overflows the pool, then the preStop drain under a burst and the pod's stop
+#               burst that overflows the pool, then the preStop drain under a burst and the pod's stop;
+#               then the llm-d variant's pod (deploy/k8s/llm-d/kvctl-llama.yaml): ready, a chat, and
+#               the gauges its endpoint picker reads
 #   systemd     deploy/systemd's units under systemd in a container, set up as deploy/README.md says:
 #               both started, a chat, `systemctl reload kvctl` with a changed setting under a burst,
 #               `systemctl stop kvctl` under streams, `systemd-analyze security`
@@ -104,7 +106,15 @@ step_images() {
 
 # --- the pod ----------------------------------------------------------------------------------
 step_pod() {
-    say "pod: podman kube play deploy/k8s/kvctl-sidecar.yaml"
+    play_pod deploy/k8s/kvctl-sidecar.yaml full
+    # the llm-d variant's pod (its InferencePool, HTTPRoute and endpoint picker need a cluster)
+    play_pod deploy/k8s/llm-d/kvctl-llama.yaml picker
+}
+
+play_pod() {  # play_pod MANIFEST full|picker
+    local manifest="$1" what="$2" name
+    name="$(basename "$manifest" .yaml)"
+    say "pod: podman kube play $manifest"
     local pod=kvctl-llama-pod-0 key token peer
     podman pod rm -f "$pod" >/dev/null 2>&1 || true
     podman volume rm -f llama-models >/dev/null 2>&1 || true
@@ -128,43 +138,53 @@ step_pod() {
     podman secret create kvctl-admin "$work/admin.json" >/dev/null
     podman secret create kvctl-peer "$work/peer.json" >/dev/null
     podman secret create kvctl-api-keys "$work/keys.json" >/dev/null
-    say "pod: what differs from the manifest on this box"
-    "$py" -m testkit.deploycheck pod-yaml deploy/k8s/kvctl-sidecar.yaml "$work/pod.yaml" --server-image "$server_image"
-    check "pod: podman kube play" podman kube play "$work/pod.yaml" || return 1
+    say "$name: what differs from the manifest on this box"
+    "$py" -m testkit.deploycheck pod-yaml "$manifest" "$work/pod.yaml" --server-image "$server_image"
+    check "$name: podman kube play" podman kube play "$work/pod.yaml" || return 1
     local infra pid
     infra="$(podman pod inspect -f '{{.InfraContainerID}}' "$pod")"
     pid="$(podman inspect -f '{{.State.Pid}}' "$infra")"
     podman ps --pod --filter "pod=$pod" --format '  {{.Names}} {{.Status}} user={{.Labels}}' | cut -c1-100
-    check "pod: kvctl's /readyz 200 (the readiness probe's URL) within 180 s" wait_ready "$pid" 180
-    check "pod: both containers run as uid 10001 (runAsUser)" \
+    check "$name: kvctl's /readyz 200 (the readiness probe's URL) within 180 s" wait_ready "$pid" 180
+    check "$name: both containers run as uid 10001 (runAsUser)" \
         test "$(podman exec "$pod-kvctl" id -u) $(podman exec "$pod-llama-server" id -u)" = "10001 10001"
     # podman runs the livenessProbe as a healthcheck (curl in the container) on a systemd timer; without
     # systemd, as here, run it by hand. It has no readinessProbe: the check asks /readyz itself, above
-    check "pod: the liveness probe (podman healthcheck run)" podman healthcheck run "$pod-kvctl"
-    check "pod: a request without a client key gets 401" \
+    check "$name: the liveness probe (podman healthcheck run)" podman healthcheck run "$pod-kvctl"
+    check "$name: a request without a client key gets 401" \
         test "$(in_netns "$pid" curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:8080/v1/models)" = 401
-    check "pod: a chat through kvctl answers" in_netns "$pid" "$py" -m testkit.deploycheck chat --proxy http://127.0.0.1:8080 --api-key "$key"
-    check "pod: the WebUI through kvctl" sh -c "nsenter -t $pid -n curl -fsS --compressed -H 'Authorization: Bearer $key' 127.0.0.1:8080/ | grep -qi '<html'"
-    check "pod: an overflowing burst (4 chats of 640 tokens, 2048 cells) completes with parks" \
-        in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --api-key "$key" \
-        --admin http://127.0.0.1:8091 --token "$token"
-    # podman does not run lifecycle hooks: run the kvctl container's preStop as the kubelet would, under
-    # a burst, then stop the pod as the kubelet does (SIGTERM, terminationGracePeriodSeconds)
-    check "pod: the preStop drain (kvctl drain --json) under a burst: every chat whole" \
-        in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --api-key "$key" \
-        --admin http://127.0.0.1:8091 --token "$token" --chats 2 --tokens 160 --min-parks 0 \
-        --during "podman exec $pod-kvctl kvctl drain --json"
+    check "$name: a chat through kvctl answers" in_netns "$pid" "$py" -m testkit.deploycheck chat --proxy http://127.0.0.1:8080 --api-key "$key"
+    check "$name: the WebUI through kvctl" sh -c "nsenter -t $pid -n curl -fsS --compressed -H 'Authorization: Bearer $key' 127.0.0.1:8080/ | grep -qi '<html'"
+    if [ "$what" = picker ]; then
+        # what the endpoint picker's engine config (k8s/llm-d/endpoint-picker.yaml) reads, on the proxy port
+        local m
+        for m in $(sed -n 's/^ *[a-zA-Z]*Spec: \(kvctl_[a-z_]*\).*/\1/p' deploy/k8s/llm-d/endpoint-picker.yaml); do
+            check "$name: GET :8080/metrics (no key, as the picker scrapes) serves $m" \
+                sh -c "nsenter -t $pid -n curl -fsS 127.0.0.1:8080/metrics | grep -q '^$m'"
+        done
+    else
+        check "$name: an overflowing burst (4 chats of 640 tokens, 2048 cells) completes with parks" \
+            in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --api-key "$key" \
+            --admin http://127.0.0.1:8091 --token "$token"
+        # podman does not run lifecycle hooks: run the kvctl container's preStop as the kubelet would, under
+        # a burst, then stop the pod as the kubelet does (SIGTERM, terminationGracePeriodSeconds)
+        check "$name: the preStop drain (kvctl drain --json) under a burst: every chat whole" \
+            in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --api-key "$key" \
+            --admin http://127.0.0.1:8091 --token "$token" --chats 2 --tokens 160 --min-parks 0 \
+            --during "podman exec $pod-kvctl kvctl drain --json"
+    fi
     # then SIGTERM in the kubelet's order: kvctl, then the server (after its preStop sleep). Not `podman
     # pod stop`: in a pod that shares its PID namespace it SIGKILLs the containers with the infra
     # container, their PID 1
     local t0=$SECONDS
-    check "pod: SIGTERM to kvctl (podman stop -t 75)" podman stop -t 75 "$pod-kvctl"
-    check "pod: SIGTERM to the server (podman stop -t 75)" podman stop -t 75 "$pod-llama-server"
-    say "pod: stopped in $(( SECONDS - t0 )) s; kvctl's last lines:"
+    check "$name: SIGTERM to kvctl (podman stop -t 75)" podman stop -t 75 "$pod-kvctl"
+    check "$name: SIGTERM to the server (podman stop -t 75)" podman stop -t 75 "$pod-llama-server"
+    say "$name: stopped in $(( SECONDS - t0 )) s; kvctl's and the server's last lines:"
     podman logs --tail 4 "$pod-kvctl" 2>&1 | cut -c1-240
+    podman logs --tail 6 "$pod-llama-server" 2>&1 | cut -c1-240
     local codes
     codes="$(podman inspect -f '{{.State.ExitCode}}' "$pod-kvctl"),$(podman inspect -f '{{.State.ExitCode}}' "$pod-llama-server")"
-    check "pod: kvctl and the server exited 0 (exit codes: $codes)" test "$codes" = "0,0"
+    check "$name: kvctl and the server exited 0 (exit codes: $codes)" test "$codes" = "0,0"
     podman pod stop "$pod" >/dev/null 2>&1 || true
     podman pod rm -f "$pod" >/dev/null
 }
@@ -203,8 +223,10 @@ step_systemd() {
         --during "podman exec $c sh -c \"sed -i 's/^# *KVCTL_POLICY__HIGH=.*/KVCTL_POLICY__HIGH=0.9/' /etc/kvctl/kvctl.env && systemctl reload kvctl\""
     high="$(in_netns "$pid" curl -fsS 127.0.0.1:8091/status | "$py" -c 'import json,sys; print(json.load(sys.stdin)["pool"]["high"])' 2>&1 || true)"
     worker1="$(worker)"
-    check "systemd: after the reload /status has HIGH $high, the same main PID (the keeper, $main0), a new worker ($worker0 -> $worker1)" \
-        test "$high $(sx systemctl show -p MainPID --value kvctl.service) $worker0" = "0.9 $main0 ${worker1/#$worker0/same}"
+    local main1
+    main1="$(sx systemctl show -p MainPID --value kvctl.service)"
+    check "systemd: after the reload /status has HIGH $high, the same main PID (the keeper: $main0, $main1), a new worker ($worker0, $worker1)" \
+        test "$high $main1 $((worker0 != worker1))" = "0.9 $main0 1"
     check "systemd: systemctl stop kvctl under 2 streams: both whole (the drain)" \
         in_netns "$pid" "$py" -m testkit.deploycheck burst --proxy http://127.0.0.1:8080 --admin http://127.0.0.1:8091 \
         --chats 2 --tokens 160 --min-parks 0 --no-after --during "podman exec $c systemctl stop kvctl"
