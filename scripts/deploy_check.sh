@@ -17,8 +17,8 @@
 #               environment and model download
 #
 # Root on Debian 12 (podman is rootful here: the units' sandboxing needs a privileged container). Installs
-# podman, buildah, mmdebstrap and runc if missing. About 25 min on 2 cores the first time (the server
-# image compiles llama.cpp), 6 min once the images are built. Too long for CI: the README names it, and
+# podman, buildah, mmdebstrap and runc if missing. About 11 min on 2 cores the first time (the server
+# image compiles llama.cpp), 3 min once the images are built. Too long for CI: the README names it, and
 # deploy/README.md records its last result. The log is also written to DEPLOY_CHECK_LOG
 # (default: deploy-check.log in the checkout, ignored by git).
 set -euo pipefail
