@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 
 import aiohttp
 import openai
@@ -23,7 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 PROMPT_CELLS = 30
 
 
-async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, int, str]:
+async def chat(
+    client: openai.AsyncOpenAI, i: int, tokens: int, on_token: Callable[[], None] | None = None
+) -> tuple[bool, int, str]:
+    """Chat ``i``, streamed, ``tokens`` long (``ignore_eos``): whether it got them all, how many, the error."""
     try:
         stream = await client.chat.completions.create(
             model="demo",
@@ -36,11 +40,13 @@ async def chat(client: openai.AsyncOpenAI, i: int, tokens: int) -> tuple[bool, i
         )
         n = 0
         async for chunk in stream:
+            if on_token is not None and chunk.choices and chunk.choices[0].delta.content:
+                on_token()
             if chunk.usage is not None:
                 n = chunk.usage.completion_tokens
         return n == tokens, n, ""
     except openai.APIError as e:
-        return False, 0, str(e)
+        return False, 0, f"{type(e).__name__}: {e}"
 
 
 async def metric(session: aiohttp.ClientSession, url: str, prefix: str) -> float:

@@ -27,6 +27,8 @@ import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from testkit.demo import chat as chat_stream
+
 __all__ = ["main", "pod_yaml"]
 
 # The pod on a 2-core box with SmolLM2-135M: a pool of 2048 cells, 4 slots, one thread for ggml (its
@@ -93,35 +95,13 @@ class _Progress:
             self.third.set()
 
 
-async def _one(client: openai.AsyncOpenAI, i: int, tokens: int, progress: _Progress) -> tuple[int, str]:
-    try:
-        stream = await client.chat.completions.create(
-            model="kvctl",
-            messages=[{"role": "user", "content": f"Tell story number {i}."}],
-            max_tokens=tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        n = 0
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                progress.add()
-            if chunk.usage is not None:
-                n = chunk.usage.completion_tokens
-        return n, ""
-    except openai.APIError as e:
-        return 0, f"{type(e).__name__}: {e}"
-
-
 async def burst(args: argparse.Namespace) -> int:
     client = openai.AsyncOpenAI(base_url=args.proxy + "/v1", api_key=args.api_key or "none", timeout=900)
     async with aiohttp.ClientSession() as s:
         parks0 = await _metric(s, args.admin, "kvctl_parks_total", args.token)
         progress = _Progress(args.chats * args.tokens)
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(_one(client, i, args.tokens, progress)) for i in range(args.chats)]
+        tasks = [asyncio.ensure_future(chat_stream(client, i, args.tokens, progress.add)) for i in range(args.chats)]
         during_rc = None
         if args.during:
             await asyncio.wait([asyncio.ensure_future(progress.third.wait()), *tasks], return_when="FIRST_COMPLETED")
@@ -133,9 +113,9 @@ async def burst(args: argparse.Namespace) -> int:
         wall = time.monotonic() - t0
         parks = await _metric(s, args.admin, "kvctl_parks_total", args.token) - parks0 if not args.no_after else -1
     await client.close()
-    for i, (n, err) in enumerate(results):
+    for i, (_, n, err) in enumerate(results):
         print(f"  chat {i}: {n}/{args.tokens} tokens{(' - ' + err) if err else ''}")
-    complete = sum(n == args.tokens for n, _ in results)
+    complete = sum(ok for ok, _, _ in results)
     print(f"deploycheck: {complete}/{args.chats} chats whole in {wall:.1f} s, {parks:.0f} parks by kvctl", flush=True)
     ok = complete == args.chats and (args.no_after or parks >= args.min_parks) and during_rc in (None, 0)
     return 0 if ok else 1
