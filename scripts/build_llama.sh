@@ -23,7 +23,7 @@
 #
 # --portable builds for any x86-64-v3 CPU (AVX2, FMA, F16C, BMI2: Haswell, Zen and newer) or any
 # ARMv8 CPU instead of this machine's (-DGGML_NATIVE=OFF): what the container images ship. With
-# --cuda, --cuda-arch default leaves the CUDA architectures to ggml (every major one; an image build
+# --cuda, --cuda-arch default leaves the CUDA architectures to ggml (its list: some as PTX only; an image build
 # has no GPU to ask), and native (the default) builds for the GPUs present.
 #
 # Progress goes to stderr; the last line of stdout is the path of the llama-server binary.
@@ -56,7 +56,7 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 
 log() { printf 'build_llama: %s\n' "$*" >&2; }
 die() { printf 'build_llama: error: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -109,6 +109,10 @@ case "$(uname -m)" in
 esac
 if [ "$portable" = 1 ]; then
     flags+=(-DGGML_NATIVE=OFF)
+    # x86-64-v3, said outright: ggml turns these off by itself when SOURCE_DATE_EPOCH is set
+    case "$(uname -m)" in
+        x86_64|amd64) flags+=(-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON) ;;
+    esac
 fi
 if [ "$cuda" = 1 ]; then
     flags+=(-DGGML_CUDA=ON)

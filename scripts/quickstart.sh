@@ -3,7 +3,7 @@
 #
 #   scripts/quickstart.sh            # run until Ctrl-C: the WebUI at http://127.0.0.1:8080/, the API at /v1
 #   scripts/quickstart.sh --demo     # one real answer, then a burst of chats that overflows the pool, then stop
-#                                    # (about 2 minutes on 2 CPU cores once the server is built)
+#                                    # (about 70 s on 2 CPU cores once the server is built)
 #   scripts/quickstart.sh --cuda     # build for and run on an NVIDIA GPU (the default when one and nvcc are found)
 #   scripts/quickstart.sh --cpu      # build for and run on the CPU even where a GPU is found
 #   scripts/quickstart.sh --dry-run  # say what it would build and run, and stop there
@@ -16,7 +16,7 @@
 # On a GPU the model is offloaded (GPU_LAYERS, default all). --demo asks one question and prints the
 # answer, then sends CHATS concurrent chats of TOKENS tokens that together need about a third more KV
 # cells than the pool has (on the CPU a pool of 2048 cells and 4 chats of 640 tokens, sized to finish in
-# about 2 minutes on 2 cores; on a GPU 8192 cells and 4 chats of 2600), prints how many completed and how
+# about 70 s on 2 cores; on a GPU 8192 cells and 4 chats of 2600), prints how many completed and how
 # many parks it took, stops everything it started, and exits 0 only if every chat completed.
 # Settings: MODEL, PORT (8080), ADMIN_PORT (8091), SERVER_PORT (8081), CTX (8192; 2048 for --demo on
 # the CPU), SLOTS (4),
@@ -36,7 +36,7 @@ for arg in "$@"; do
         --cuda) backend=cuda ;;
         --cpu) backend=cpu ;;
         --dry-run) dry=1 ;;
-        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "quickstart: unknown argument: $arg (try --help)" >&2; exit 2 ;;
     esac
 done

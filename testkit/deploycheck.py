@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 import time
@@ -23,11 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-
-from testkit.demo import chat as chat_stream
 
 __all__ = ["main", "pod_yaml"]
 
@@ -45,30 +43,44 @@ SMALL_BOX_KVCTL = {"KVCTL_POLICY__SNAPSHOT_BUDGET_MIB": "512", "KVCTL_PROXY__DRA
 
 
 def pod_yaml(src: Path, server_image: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The manifest's documents as ``podman kube play`` runs them here, and what was changed, in words."""
+    """The manifest's documents as ``podman kube play`` runs them here, and each change, as ``KIND/NAME PATH``."""
     docs = [d for d in yaml.safe_load_all(src.read_text()) if d]
     changed: list[str] = []
+
+    def change(doc: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+        node: Any = doc
+        for key in path[:-1]:
+            node = node[key]
+        old = node.get(path[-1], "(none)")
+        if value is None:
+            node.pop(path[-1], None)
+        else:
+            node[path[-1]] = value
+        where = "/".join(map(str, path))
+        changed.append(
+            f"{doc['kind']}/{doc['metadata']['name']} {where}: {old} -> {'(removed)' if value is None else value}"
+        )
+
     for doc in docs:
         name = doc["metadata"]["name"]
         if doc["kind"] == "ConfigMap" and name == "llama-server":
-            if doc["data"].pop("LLAMA_ARG_N_GPU_LAYERS", None) is not None:
-                changed.append("ConfigMap llama-server: LLAMA_ARG_N_GPU_LAYERS removed (no GPU)")
-            doc["data"].update(SMALL_BOX_SERVER)
-            changed.append(f"ConfigMap llama-server: {SMALL_BOX_SERVER}")
+            change(doc, ("data", "LLAMA_ARG_N_GPU_LAYERS"), None)  # no GPU
+            for key, value in SMALL_BOX_SERVER.items():
+                change(doc, ("data", key), value)
         elif doc["kind"] == "ConfigMap" and name == "kvctl":
-            doc["data"].update(SMALL_BOX_KVCTL)
-            changed.append(f"ConfigMap kvctl: {SMALL_BOX_KVCTL}")
+            for key, value in SMALL_BOX_KVCTL.items():
+                change(doc, ("data", key), value)
         elif doc["kind"] == "Deployment":
-            doc["spec"]["replicas"] = 1
-            changed.append("Deployment: replicas 1 (one pod on this box)")
-            for c in doc["spec"]["template"]["spec"]["containers"]:
+            change(doc, ("spec", "replicas"), 1)  # one pod on this box
+            for i, c in enumerate(doc["spec"]["template"]["spec"]["containers"]):
+                at = ("spec", "template", "spec", "containers", i)
                 for section in ("requests", "limits"):
-                    c.get("resources", {}).get(section, {}).pop("nvidia.com/gpu", None)
+                    if "nvidia.com/gpu" in c.get("resources", {}).get(section, {}):
+                        change(doc, (*at, "resources", section, "nvidia.com/gpu"), None)
                 if c["name"] == "llama-server":
-                    changed.append(f"container llama-server: image {c['image']} -> {server_image}, no nvidia.com/gpu")
-                    c["image"] = server_image
-                    # 24 GiB of requests would not fit here; podman applies limits only
-                    c["resources"]["requests"]["memory"] = "2Gi"
+                    change(doc, (*at, "image"), server_image)  # the CPU build
+                    # podman applies limits only, but 24 GiB of requests would not fit this box anyway
+                    change(doc, (*at, "resources", "requests", "memory"), "2Gi")
     return docs, changed
 
 
@@ -96,6 +108,10 @@ class _Progress:
 
 
 async def burst(args: argparse.Namespace) -> int:
+    import openai  # here, not at the top: pod_yaml is for the unit tests too, which run without it
+
+    from testkit.demo import chat as chat_stream
+
     client = openai.AsyncOpenAI(base_url=args.proxy + "/v1", api_key=args.api_key or "none", timeout=900)
     async with aiohttp.ClientSession() as s:
         parks0 = await _metric(s, args.admin, "kvctl_parks_total", args.token)
@@ -122,6 +138,8 @@ async def burst(args: argparse.Namespace) -> int:
 
 
 async def chat(args: argparse.Namespace) -> int:
+    import openai
+
     client = openai.AsyncOpenAI(base_url=args.proxy + "/v1", api_key=args.api_key or "none", timeout=300)
     answer = await client.chat.completions.create(
         model="kvctl",
@@ -149,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("chat", "burst"):
         q = sub.add_parser(name)
         q.add_argument("--proxy", required=True)
-        q.add_argument("--api-key")
+        q.add_argument("--api-key", default=os.environ.get("KVCTL_CHECK_API_KEY"), help="default: $KVCTL_CHECK_API_KEY")
         if name == "burst":
             q.add_argument("--admin", required=True)
-            q.add_argument("--token", help="the admin API's bearer token")
+            q.add_argument(
+                "--token", default=os.environ.get("KVCTL_CHECK_TOKEN"), help="admin token ($KVCTL_CHECK_TOKEN)"
+            )
             q.add_argument("--chats", type=int, default=4)
             q.add_argument("--tokens", type=int, default=640)
             q.add_argument("--min-parks", type=int, default=1)

@@ -5,10 +5,10 @@
 #
 #   deploy/containers/base-image.sh [--force]      (root; apt-get install mmdebstrap podman)
 #
-# minbase plus ca-certificates, apt's lists and caches removed. The build host's own CAs
-# (/usr/local/share/ca-certificates, e.g. a TLS-inspecting proxy's) are added, so that the image
-# builds reach the package registries the way the host does. SOURCE_DATE_EPOCH (default: the
-# Debian release's date) makes the tarball the same for the same packages.
+# minbase from bookworm, bookworm-updates and bookworm-security (the suites the official image has),
+# apt's lists and caches removed, PATH set; SOURCE_DATE_EPOCH (default: Debian 12's release) makes the
+# tarball the same for the same packages. Nothing of the build host goes in: a host behind a
+# TLS-inspecting proxy gives the image builds its CA bundle by a mount (scripts/deploy_check.sh does).
 set -euo pipefail
 readonly NAME="docker.io/library/debian:bookworm-slim"
 force=0
@@ -20,15 +20,11 @@ fi
 command -v mmdebstrap >/dev/null || { echo "base-image: mmdebstrap is missing (apt-get install mmdebstrap)" >&2; exit 1; }
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-hooks=()
-if compgen -G '/usr/local/share/ca-certificates/*.crt' >/dev/null; then
-    hooks+=(--customize-hook='mkdir -p "$1/usr/local/share/ca-certificates"'
-            --customize-hook='cp /usr/local/share/ca-certificates/*.crt "$1/usr/local/share/ca-certificates/"'
-            --customize-hook='chroot "$1" update-ca-certificates >/dev/null')
-fi
 SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-1686355200}" mmdebstrap --quiet --variant=minbase \
-    --include=ca-certificates \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
-    "${hooks[@]+"${hooks[@]}"}" bookworm "$tmp/rootfs.tar" http://deb.debian.org/debian
+    bookworm "$tmp/rootfs.tar" \
+    "deb http://deb.debian.org/debian bookworm main" \
+    "deb http://deb.debian.org/debian bookworm-updates main" \
+    "deb http://deb.debian.org/debian-security bookworm-security main"
 podman import --quiet --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' --change 'CMD ["bash"]' "$tmp/rootfs.tar" "$NAME" >/dev/null
 echo "base-image: made $NAME ($(podman image inspect --format '{{.Size}}' "$NAME") bytes)" >&2

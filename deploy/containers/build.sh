@@ -33,18 +33,22 @@ if [ "${1:-}" = manifests ]; then
     exit 0
 fi
 
-engine="$(command -v podman || command -v buildah || true)"
-[ -n "$engine" ] || { echo "build.sh: needs podman or buildah (apt-get install podman)" >&2; exit 1; }
 push=0 targets=()
 for arg in "$@"; do
     case "$arg" in
         server|server-cuda|kvctl) targets+=("$arg") ;;
         --push) push=1 ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: unknown argument: $arg (try --help)" >&2; exit 2 ;;
     esac
 done
 [ ${#targets[@]} -gt 0 ] || targets=(server kvctl)
+if [ "$push" = 1 ] && [ -z "${KVCTL_REGISTRY:-}" ]; then
+    echo "build.sh: --push needs KVCTL_REGISTRY (where to push; localhost/kvctl is podman's local store)" >&2
+    exit 2
+fi
+engine="$(command -v podman || command -v buildah || true)"
+[ -n "$engine" ] || { echo "build.sh: needs podman or buildah (apt-get install podman)" >&2; exit 1; }
 
 for t in "${targets[@]}"; do
     case "$t" in

@@ -48,6 +48,7 @@ UNIT_TEST_TOOLS = {
     "gguf",
     "numpy",
     "pyyaml",
+    "packaging",
 }
 
 # the distributions a kvctl installed without extras must not pull in (the extras' and testkit's)
