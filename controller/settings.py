@@ -493,6 +493,12 @@ class SupervisorSettings(_Group):
     log_file: Path | None = None
     """Append the server's stdout and stderr to this file; unset: inherit kvctl's."""
 
+    exact: bool = False
+    """Start the spawned server in its batch-invariant mode (adds `--exact`): every request's tokens equal the same
+    request's run alone on an idle server, whatever else runs and through every park, resume, replay and drain, for
+    a cost in speed (docs/parking.md, "The exact mode"). Needs `spawn`; a server started elsewhere takes `--exact`
+    on its own command line, and `/status` says which mode the server runs in (`upstream.exact`)."""
+
     @field_validator("spawn")
     @classmethod
     def _argv_not_empty(cls, spawn: list[str] | None) -> list[str] | None:
@@ -608,6 +614,10 @@ class Settings(BaseSettings):
             raise _named(
                 "supervisor.exit_on_failed", "needs supervisor.failed_after of 1 or more (0: the server never fails)"
             )
+        if sup.exact and sup.spawn is None:
+            raise _named("supervisor.exact", "needs supervisor.spawn: start a server of your own with --exact instead")
+        if sup.exact and any(a in ("-no-kvu", "--no-kv-unified") for a in sup.spawn or []):
+            raise _named("supervisor.exact", "needs the unified KV pool: remove -no-kvu from supervisor.spawn")
         try:
             self.proxy.api_key_list()
         except KeyFileError as e:

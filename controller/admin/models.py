@@ -51,6 +51,9 @@ class UpstreamView(_Model):
     last_poll_age_s: float | None
     backoff_s: float | None
     lease_held: bool | None
+    exact: bool | None = None
+    """The server runs in the batch-invariant mode (`--exact`): every request's tokens equal the same request's run
+    alone, whatever else runs beside it and through every park; None when it is down or does not say."""
 
 
 class ExitView(_Model):

@@ -84,6 +84,7 @@ def build_status(
             last_poll_age_s=mono - state.last_poll_monotonic if state.last_poll_monotonic is not None else None,
             backoff_s=state.backoff_s,
             lease_held=snapshot.lease.held if snapshot is not None and snapshot.lease is not None else None,
+            exact=kv.server.exact if kv is not None and kv.server is not None else None,
         ),
         supervisor=_supervisor_view(supervisor, failed_after) if supervisor is not None else None,
         pool=_pool_view(kv, state, config, above_high_s) if kv is not None else None,

@@ -87,6 +87,8 @@ def _upstream_line(status: Status) -> str:
     parts = [up.state, up.url]
     if up.up and up.last_poll_age_s is not None:
         parts.append(f"polled {_duration(up.last_poll_age_s)} ago")
+    if up.exact:
+        parts.append("exact mode")
     if not up.up and up.last_error:
         parts.append(f"last error: {up.last_error}")
     if not up.up and up.backoff_s is not None:

@@ -263,6 +263,9 @@ class ServerIdentity(_Shape):
 
     boot_id: str
     t_start_ms: int
+    exact: bool | None = None
+    """The server runs in the batch-invariant mode (`--exact`, patch 46): a request's tokens equal a solo run's
+    whatever else runs; None from a server that does not say."""
 
 
 class Device(_Shape):

@@ -155,10 +155,12 @@ async def _first_set(events: tuple[asyncio.Event, ...], timeout_s: float) -> Non
 
 
 def spawn_argv(settings: Settings, argv: list[str] | None = None) -> list[str]:
-    """The server's command line (``argv``, else ``supervisor.spawn``), with an SSE ping interval of a third of
-    proxy.upstream_read_timeout_s when it sets none: a stream that is quiet for a while (parked, or a slow step) must
-    get the server's ping before kvctl's read timeout ends it."""
+    """The server's command line (``argv``, else ``supervisor.spawn``), with ``--exact`` when supervisor.exact is
+    set, and an SSE ping interval of a third of proxy.upstream_read_timeout_s when it sets none: a stream that is
+    quiet for a while (parked, or a slow step) must get the server's ping before kvctl's read timeout ends it."""
     argv = list(argv if argv is not None else settings.supervisor.spawn or [])
+    if settings.supervisor.exact and "--exact" not in argv:
+        argv.append("--exact")
     if sse_ping_interval(argv) is None:
         argv += ["--sse-ping-interval", str(max(1, int(settings.proxy.upstream_read_timeout_s // 3)))]
     return argv

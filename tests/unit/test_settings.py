@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from controller.settings import RestoreOrder, Settings, SettingsError, load_settings, main, markdown_table
+from controller.upstream.supervisor import spawn_argv
 
 
 @pytest.fixture(autouse=True)
@@ -98,6 +99,12 @@ INVALID = [
         "needs supervisor.failed_after of 1 or more",
     ),
     ({"log": {"level": "loud"}}, "log.level", "'debug'"),
+    ({"supervisor": {"exact": True}}, "supervisor.exact", "needs supervisor.spawn"),
+    (
+        {"supervisor": {"exact": True, "spawn": ["llama-server", "-m", "m.gguf", "-no-kvu"]}},
+        "supervisor.exact",
+        "remove -no-kvu",
+    ),
 ]
 
 
@@ -166,3 +173,13 @@ def test_the_check_command_exits_2_on_an_invalid_setting(
     monkeypatch.setenv("KVCTL_POLICY__LOW", "0.99")
     assert main([]) == 2
     assert capsys.readouterr().err.startswith("kvctl: invalid setting policy.low")
+
+
+def test_the_exact_setting_adds_the_server_flag_once() -> None:
+    argv = ["llama-server", "-m", "m.gguf", "-kvu"]
+    s = load_settings(overrides={"supervisor": {"spawn": argv, "exact": True}})
+    out = spawn_argv(s)
+    assert out.count("--exact") == 1 and out[:4] == argv, out
+    assert spawn_argv(s, [*argv, "--exact"]).count("--exact") == 1, "a command line that has it keeps one"
+    plain = load_settings(overrides={"supervisor": {"spawn": argv}})
+    assert "--exact" not in spawn_argv(plain), "off by default"

@@ -233,6 +233,14 @@ def test_healthy_view() -> None:
     assert row(text, 1) == ["1", "prompt", "2816", "500 ms", "0", "0", "-", "0"]
     assert row(text, 2) == ["2", "idle", "-", "-", "-", "-", "-", "-"]
     assert "pinned:" not in text, "the flags legend only when a slot has a flag"
+    assert "exact mode" not in upstream
+
+
+def test_an_exact_server_says_so_on_the_upstream_line() -> None:
+    plain = healthy()
+    st = healthy(upstream=plain.upstream.model_copy(update={"exact": True}))
+    assert line(render_status(st), "upstream").endswith("polled 20 ms ago  exact mode")
+    assert Status.model_validate_json(st.model_dump_json()).upstream.exact is True
 
 
 def test_degraded_view() -> None:
