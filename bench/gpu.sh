@@ -13,7 +13,9 @@
 #    time, bench/results/gpu-park-layouts.md,
 # 4. runs the pressure benchmark (8192 band, equal-long and mixed, every mode) and the cost
 #    benchmark (patched vs unpatched and the whole stack, 20 pairs) with every layer on the GPU,
-#    writing bench/results/gpu-pressure.md|png and bench/results/gpu-overhead.md.
+#    writing bench/results/gpu-pressure.md|png and bench/results/gpu-overhead.md,
+# 5. checks the exact mode (--exact): solo against concurrent continuations and its cost in tokens/s
+#    beside the default, bench/results/gpu-exact-mode.md.
 # Each stage gets what is left of the budget; a stage that runs out is stopped and the script
 # says which.
 #
@@ -113,5 +115,9 @@ stage "pressure" "$py" -m bench.pressure --model gpu --server-args "-ngl 99" --b
     --workloads equal-long,mixed --out gpu-pressure || status=1
 stage "cost" "$py" -m bench.overhead --model gpu --server-args "-ngl 99" --pairs 20 --n-predict 128 \
     --out gpu-overhead || status=1
+# the exact mode on CUDA: how many continuations equal their solo run (docs/gpu.md says which kernels
+# it cannot make invariant there) and what it costs at 1, 4 and 16 streams
+stage "exact mode" "$py" -m bench.exact_mode --model gpu --server-args "-ngl 99" --rounds 1 --fa on \
+    --out gpu-exact-mode || status=1
 echo "gpu.sh: done in $(( SECONDS - start )) s; tables in bench/results/gpu-*.md"
 exit "$status"
