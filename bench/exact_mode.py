@@ -49,9 +49,11 @@ async def throughput(url: str, streams: int, tokens: int) -> float:
     return streams * tokens / wall
 
 
-def part_exact(binary: Any, gguf: Any, tokens: int, rounds: int, extra: tuple[str, ...]) -> str:
+def part_exact(binary: Any, gguf: Any, tokens: int, rounds: int, extra: tuple[str, ...], which: str) -> str:
     rows = []
-    for name, flags in EXACT_ROWS:
+    for i, (name, flags) in enumerate(EXACT_ROWS):
+        if which and str(i + 1) not in which.split(","):
+            continue
         base = ("-c", "4096", "-np", "8", "-kvu", "--slots", "--exact", *flags, *extra)
         departures: list[int | None] = []
         with server(binary, gguf, *base) as srv:
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,4,16", help="concurrent chats of the cost rows")
     ap.add_argument("--fa", default="on,off", help="flash attention of the cost rows")
     ap.add_argument("--server-args", default="", help="more server flags for every row (bench/gpu.sh: '-ngl 99')")
+    ap.add_argument("--rows", default="", help="exactness rows to run, by number (default all)")
     ap.add_argument("--out", default=None, help="bench/results/ file name (default exact_mode_MODEL)")
     args = ap.parse_args(argv)
     extra = tuple(args.server_args.split())
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     out = f"{args.model}, {args.tokens} greedy tokens\n\n"
     if "exact" in parts:
         out += "Exactness: 3 targets alone, then beside 3 late arrivals, " + f"{args.rounds} rounds\n\n"
-        out += part_exact(binary, gguf, args.tokens, args.rounds, extra) + "\n"
+        out += part_exact(binary, gguf, args.tokens, args.rounds, extra, args.rows) + "\n"
     if "cost" in parts:
         streams = [int(n) for n in args.streams.split(",")]
         out += "Cost: the same build, default against --exact, generated tokens per second\n\n"

@@ -8,6 +8,7 @@ run); the first test checks that the default still differs, so the others cannot
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,9 @@ import aiohttp
 import pytest
 
 from testkit import realmodels
-from testkit.llama import StreamResult, get_json, parse_metrics, stream_completion
-from tests.harness import ServerFactory
+from testkit.llama import StreamResult, free_port, get_json, parse_metrics, server_argv, stream_completion
+from testkit.stack import stack_admin, start_stack
+from tests.harness import ServerFactory, kill_server
 
 
 async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -147,3 +149,45 @@ async def test_the_safety_net_s_parks_equal_solo_runs(
     res = await asyncio.gather(*[one(http, srv.url, smollm2, t, 200) for t in TARGETS])
     assert sum(r.comments.count("parked") for r in res) >= 1, "the pool overflowed and the net parked"
     assert_same(ref, list(res))
+
+
+async def test_a_crash_replay_through_kvctl_equals_the_solo_run(
+    llama_server_bin: Path,
+    smollm2: Path,
+    start_server: ServerFactory,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    """kvctl's `supervisor.exact` spawns the server with `--exact` and `/status` says so; the server is killed while
+    a target streams beside two others, and kvctl's replay (the client's tokens evaluated again as a prompt, on the
+    restarted server) continues it into exactly its solo run."""
+    ref_srv = start_server(*POOL, "--exact", model=smollm2)
+    ref = await one(http, ref_srv.url, smollm2, TARGETS[0], 160)
+    sport = free_port()
+    argv = server_argv(llama_server_bin, smollm2, sport, *POOL)
+    env = {"KVCTL_SUPERVISOR__EXACT": "true"}
+    log = tmp_path / "kvctl.log"
+    with start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, env=env, log_path=log) as url:
+        status = await get_json(http, f"{stack_admin(url)}/status")
+        assert status["upstream"]["exact"] is True
+        kills: list[int] = []
+
+        async def kill_once(res: StreamResult) -> None:
+            if len(res.tokens) >= 60 and not kills:
+                kills.append(len(res.tokens))
+                kill_server(sport)
+
+        payload: dict[str, Any] = {"prompt": prompt(smollm2, TARGETS[0]), "n_predict": 160, "ignore_eos": True}
+        target = stream_completion(http, url, {**payload, "cache_prompt": False}, on_chunk=kill_once)
+        others = [one(http, url, smollm2, t, 40) for t in TARGETS[1:]]
+        res, *_ = await asyncio.wait_for(asyncio.gather(target, *others, return_exceptions=True), 240)
+    assert kills and "replay.sent" in log.read_text()
+    assert isinstance(res, StreamResult) and res.error is None, res
+    assert res.tokens == ref.tokens and res.content == ref.content
+
+
+def test_exact_without_the_unified_pool_is_a_start_error(llama_server_bin: Path, smollm2: Path) -> None:
+    argv = server_argv(llama_server_bin, smollm2, free_port(), "-np", "2", "-no-kvu", "--exact")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "--exact needs a unified KV pool (-kvu)" in out.stderr
