@@ -6,7 +6,8 @@ Loopback only, bounded in time and requests. The patched server runs with --park
 so every stream is parked and resumed every N tokens. Each stream is checked on the client side:
 n_decoded runs 1..n_predict without gap or repeat and the count is exact; token ids are compared
 with a greedy solo run of the same prompt on a server without parking (batching can change
-floating-point reductions, so a differing id is reported as a divergence, not a loss). With
+floating-point reductions, so a differing id is reported as a divergence, not a loss; with --exact,
+the batch-invariant mode, there must be none). With
 --via-proxy the streams go through kvctl's proxy running in this process, whose memory, open file
 descriptors and asyncio tasks are sampled over time.
 """
@@ -117,6 +118,7 @@ async def run(args: argparse.Namespace) -> Tally:
         "-kvu",
         "--slots",
         "--metrics",
+        *(("--exact",) if getattr(args, "exact", False) else ()),
     )
     with server(binary, gguf, *base) as ref_srv:
         refs = await reference(ref_srv.url, texts, args.n_predict)
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-predict", type=int, default=400)
     ap.add_argument("--interval", type=int, default=50)
     ap.add_argument("--via-proxy", action="store_true")
+    ap.add_argument("--exact", action="store_true", help="both servers in the exact mode: every id equals solo")
     args = ap.parse_args(argv)
     tally = asyncio.run(run(args))
     rss = [s[1] for s in tally.samples]
