@@ -69,6 +69,7 @@ def test_gpu_script_plans_every_stage_with_arguments_the_benchmarks_accept() -> 
         "[dry-run] park layouts",
         "[dry-run] pressure",
         "[dry-run] cost",
+        "[dry-run] exact mode",
     ]
     assert "--cuda" in stages[0] and "--no-patches" in stages[1]
     for line in stages[3:]:
