@@ -37,9 +37,11 @@ openai = require_module("openai", "openai")
 anthropic = require_module("anthropic", "anthropic")
 
 N_PREDICT = 96
-# 10 streams on 8 slots (two queued in kvctl) and two non-streaming requests; the pool holds about 7 of the
-# requests' prompts and answers at once, so some are parked while the worker is killed
-POOL = ("-c", "1024", "-np", "8", "-kvu", "--slots", "--metrics", "--no-cache-prompt", "--cache-ram", "0")
+# 10 streams on 8 slots (two queued in kvctl) and two non-streaming requests. The first 8 are admitted together
+# (their prompts, about 300 cells, leave room) and each generates N_PREDICT tokens (ignore_eos), so they need
+# about 1070 cells against HIGH's 722: parks are certain whatever the schedule, not only when the streams
+# happen to run in step (a 1024-cell pool left that to timing, and CI once saw no park)
+POOL = ("-c", "768", "-np", "8", "-kvu", "--slots", "--metrics", "--no-cache-prompt", "--cache-ram", "0")
 ENV = {"KVCTL_POLICY__PARK_TIER": "ram", "KVCTL_LOG__LEVEL": "info"}
 
 
