@@ -26,7 +26,8 @@ from typing import Any
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from testkit.llama import StreamResult, stream_completion
+from testkit.llama import StreamResult, first_difference, stream_completion
+from testkit.realmodels import user_turn
 
 TARGETS = [
     "Write a short story about a lighthouse keeper.",
@@ -62,29 +63,28 @@ INSTRUMENTED: list[tuple[str, tuple[str, ...], dict[str, str]]] = [
 ]
 
 
-def chatml(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-async def one(s: aiohttp.ClientSession, url: str, prompt: str, tokens: int, delay: float = 0) -> StreamResult:
+async def one(
+    s: aiohttp.ClientSession, url: str, prompt: str, tokens: int, delay: float = 0, model: str = "smollm2"
+) -> StreamResult:
     await asyncio.sleep(delay)
-    payload: dict[str, Any] = {"prompt": chatml(prompt), "n_predict": tokens, "ignore_eos": True, "cache_prompt": False}
+    payload: dict[str, Any] = {"prompt": user_turn(model, prompt), "n_predict": tokens, "ignore_eos": True}
+    payload["cache_prompt"] = False
     return await stream_completion(s, url, payload)
 
 
-async def measure(url: str, tokens: int) -> list[int | None]:
+async def measure(url: str, tokens: int, model: str = "smollm2") -> list[int | None]:
     """Per target: None when the mixed run equals the solo one, else the index of the first different token."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as s:
-        solo = [await one(s, url, t, tokens) for t in TARGETS]
+        solo = [await one(s, url, t, tokens, model=model) for t in TARGETS]
         mixed = await asyncio.gather(
-            *[one(s, url, t, tokens) for t in TARGETS],
+            *[one(s, url, t, tokens, model=model) for t in TARGETS],
             # the others arrive while the targets decode, one by one: prefill batches beside decode steps
-            *[one(s, url, o, tokens, delay=0.4 + 0.3 * i) for i, o in enumerate(OTHERS)],
+            *[one(s, url, o, tokens, delay=0.4 + 0.3 * i, model=model) for i, o in enumerate(OTHERS)],
         )
     out: list[int | None] = []
     for a, b in zip(solo, mixed[: len(TARGETS)], strict=True):
         assert len(a.tokens) == tokens and len(b.tokens) == tokens, (a.error, b.error)
-        out.append(next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)) if x != y), None))
+        out.append(first_difference(a.tokens, b.tokens))
     return out
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with server(binary, gguf, *base) as srv:
                 for _ in range(args.rounds):
-                    departures += asyncio.run(measure(srv.url, args.tokens))
+                    departures += asyncio.run(measure(srv.url, args.tokens, args.model))
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -17,13 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from bench.exact_causes import chatml, measure
+from bench.exact_causes import measure
 from testkit.llama import stream_completion
+from testkit.realmodels import user_turn
 
 EXACT_ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("-fa on, f16", ("-fa", "on")),
@@ -36,9 +38,9 @@ EXACT_ROWS: list[tuple[str, tuple[str, ...]]] = [
 COST_PROMPT = "Write a long story about a lighthouse keeper and the ships she watched over the years."
 
 
-async def throughput(url: str, streams: int, tokens: int) -> float:
+async def throughput(url: str, streams: int, tokens: int, model_name: str) -> float:
     """Generated tokens per second of wall time, ``streams`` chats at once."""
-    payload: dict[str, Any] = {"prompt": chatml(COST_PROMPT), "n_predict": tokens, "ignore_eos": True}
+    payload: dict[str, Any] = {"prompt": user_turn(model_name, COST_PROMPT), "n_predict": tokens, "ignore_eos": True}
     payload["cache_prompt"] = False
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as s:
         await stream_completion(s, url, {**payload, "n_predict": 8})  # warm the server's first step
@@ -58,7 +60,7 @@ def part_exact(binary: Any, gguf: Any, tokens: int, rounds: int, extra: tuple[st
         departures: list[int | None] = []
         with server(binary, gguf, *base) as srv:
             for _ in range(rounds):
-                departures += asyncio.run(measure(srv.url, tokens))
+                departures += asyncio.run(measure(srv.url, tokens, Path(gguf).name))
         exact = sum(d is None for d in departures)
         firsts = ", ".join("-" if d is None else str(d) for d in departures)
         rows.append((name, f"{exact}/{len(departures)}", firsts))
@@ -73,7 +75,7 @@ def part_cost(binary: Any, gguf: Any, streams: list[int], tokens: int, fa: list[
         for mode, mode_flags in (("default", ()), ("exact", ("--exact",))):
             np_ = str(max(streams))
             with server(binary, gguf, "-c", "8192", "-np", np_, "-kvu", "-fa", f, *mode_flags, *extra) as srv:
-                rates[mode] = [asyncio.run(throughput(srv.url, n, tokens)) for n in streams]
+                rates[mode] = [asyncio.run(throughput(srv.url, n, tokens, Path(gguf).name)) for n in streams]
         for n, d, e in zip(streams, rates["default"], rates["exact"], strict=True):
             rows.append((f"-fa {f}", n, f"{d:.1f}", f"{e:.1f}", f"{100 * e / d:.0f} %"))
             print(rows[-1], flush=True)

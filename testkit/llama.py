@@ -182,6 +182,15 @@ class StreamResult:
         return [int(t) for c in self.comments if c.startswith("tokens") for t in c.split()[1:]]
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Where two runs' token ids part: the index of the first id that differs (or where the shorter run ends), None
+    when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 async def stream_completion(
     session: aiohttp.ClientSession,
     url: str,

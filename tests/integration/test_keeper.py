@@ -26,7 +26,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from testkit import realmodels
 from testkit.llama import free_port, get_json, parse_metrics
 from tests.harness import ServerFactory, require_module
 from tests.integration.faults import ROOT, KvctlProcess
@@ -43,11 +42,6 @@ N_PREDICT = 96
 # happen to run in step (a 1024-cell pool left that to timing, and CI once saw no park)
 POOL = ("-c", "768", "-np", "8", "-kvu", "--slots", "--metrics", "--no-cache-prompt", "--cache-ram", "0")
 ENV = {"KVCTL_POLICY__PARK_TIER": "ram", "KVCTL_LOG__LEVEL": "info"}
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return realmodels.model_path("smollm2")
 
 
 @dataclass

@@ -10,16 +10,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from testkit import realmodels
 from testkit.llama import get_json, parse_metrics, stream_completion
 from tests.harness import ServerFactory, assert_complete, request, running_app
 
 pytestmark = pytest.mark.server
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return realmodels.model_path("smollm2")
 
 
 def snapshot_files(d: Path) -> list[str]:

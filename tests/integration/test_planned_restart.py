@@ -10,40 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from testkit import realmodels
 from testkit.llama import StreamResult, free_port, server_argv, sse_events, stream_completion
-from testkit.stack import stack_admin, start_stack
+from testkit.stack import restart_server, stack_admin, start_stack
 
 pytestmark = pytest.mark.server
 
 POOL = ("-c", "4096", "-np", "4", "-kvu", "--slots", "--metrics")
 N = 160
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return realmodels.model_path("smollm2")
-
-
-def restart_server(proxy_url: str, *argv: str, force: bool = False) -> tuple[int, Any]:
-    """`kvctl restart-server --json [--force] -- ARGV` as an operator types it; (exit code, the answer)."""
-    admin = stack_admin(proxy_url).removeprefix("http://")
-    cmd = [sys.executable, "-m", "controller.cli", "restart-server", "--admin", admin, "--json"]
-    cmd += ["--force"] if force else []
-    done = subprocess.run([*cmd, "--", *argv], capture_output=True, text=True, timeout=300)
-    out = done.stdout.strip() or done.stderr.strip()
-    try:
-        return done.returncode, json.loads(out)
-    except ValueError:
-        return done.returncode, out
 
 
 async def chat_stream(http: aiohttp.ClientSession, url: str) -> tuple[str, Any, Any]:

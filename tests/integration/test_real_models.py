@@ -28,7 +28,7 @@ import anthropic
 import openai
 import pytest
 
-from testkit import models, realmodels
+from testkit import models
 from testkit.llama import StreamResult, free_port, get_json, post_action, server_argv, stream_completion
 from testkit.stack import stack_admin, start_stack
 from tests.harness import ProxyFactory, ServerFactory, kill_server
@@ -52,16 +52,6 @@ LONG_TEXT = " ".join(
     for i in range(1, 15)
 )
 SHORT_TEXT = "The lighthouse keeper wrote in the log that the ships came in at dawn, and that the fog"
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    return realmodels.model_path("smollm2")
-
-
-@pytest.fixture(scope="session")
-def gemma3() -> Path:
-    return realmodels.model_path("gemma3")
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from controller.proxy.restart import LOADING_BODY
-from testkit import realmodels
 from testkit.llama import ServerProcess, free_port, server_argv, stream_completion
 from testkit.stack import stack_admin, start_stack
 from tests.harness import ProxyFactory, ServerFactory, kill_server
@@ -36,11 +35,6 @@ CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is t
 NATIVE = {"prompt": "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n", "n_predict": N}
 PLAIN = {"prompt": "The sky is blue because", "max_tokens": N, "temperature": 0}
 LEAKS = re.compile(r"127\.0\.0\.1:|\b[A-Z][A-Za-z]*(Error|Exception)\b")
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return realmodels.model_path("smollm2")
 
 
 async def three_requests(http: aiohttp.ClientSession, url: str) -> tuple[str, str, str]:
