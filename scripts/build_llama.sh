@@ -127,9 +127,11 @@ if [ "$use_patches" = 1 ]; then
     while IFS= read -r p; do patches+=("$p"); done < <(find "$patches_dir" -maxdepth 1 -name '*.patch' | LC_ALL=C sort)
 fi
 
+# the series' own libllama tests (tests/test-*.cpp of the patches), built beside the server and run by the suite
+series_tests=(test-memory-occupancy test-state-seq-copy test-mul-mat-width)
 series_hash="$( { for p in "${patches[@]+"${patches[@]}"}"; do basename "$p"; cat "$p"; done; } | sha256sum | cut -c1-16)"
 # the UI's sources are fixed by the commit and the series, so whether it is embedded is all the key needs
-key="$(printf '%s\n' "llama.cpp@$UPSTREAM_COMMIT" "$series_hash" "${flags[*]}" "ui=$ui" | sha256sum | cut -c1-16)"
+key="$(printf '%s\n' "llama.cpp@$UPSTREAM_COMMIT" "$series_hash" "${flags[*]}" "ui=$ui" "tests=${series_tests[*]}" | sha256sum | cut -c1-16)"
 entry="$cache/build/$key"
 binary="$entry/bin/llama-server"
 
@@ -247,9 +249,8 @@ export CCACHE_BASEDIR="$work" CCACHE_NOHASHDIR=1   # hit the ccache across tempo
 cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/cmake.log" 2>&1 \
     || { tail -n 40 "$work/cmake.log" >&2; die "cmake configure failed (log above)"; }
 log "building llama-server with $jobs jobs (a cold CPU build takes ~13 min on 2 cores)"
-# the series' own libllama tests (tests/test-*.cpp of the patches), run by the suite on real models
 targets=(llama-server)
-for t in test-memory-occupancy test-state-seq-copy; do [ -f "$src/tests/$t.cpp" ] && targets+=("$t"); done
+for t in "${series_tests[@]}"; do [ -f "$src/tests/$t.cpp" ] && targets+=("$t"); done
 if ! cmake --build "$work/build" --target "${targets[@]}" -j "$jobs" >"$work/build.log" 2>&1; then
     grep -E 'error|Error' "$work/build.log" | head -n 40 >&2 || true
     tail -n 20 "$work/build.log" >&2

@@ -71,7 +71,7 @@ for i in "${!patches[@]}"; do
     if [ "$n" -ge "$from" ] && { [ -z "$only" ] || [[ "$only" == *",$n,"* ]]; }; then
         t0=$(date +%s)
         targets=(llama-server)
-        for t in test-memory-occupancy test-state-seq-copy; do [ -f "$src/tests/$t.cpp" ] && targets+=("$t"); done
+        for t in test-memory-occupancy test-state-seq-copy test-mul-mat-width; do [ -f "$src/tests/$t.cpp" ] && targets+=("$t"); done
         # a patch that adds a test target changes tests/CMakeLists.txt: configure again so that make knows it
         [ ${#targets[@]} -gt 1 ] && cmake "$build" >>"$work/cmake.log" 2>&1
         if cmake --build "$build" --target "${targets[@]}" -j "$jobs" >"$work/build-$n.log" 2>&1; then

@@ -169,6 +169,15 @@ async def test_the_safety_net_s_parks_equal_solo_runs(
     assert_same(ref, list(res))
 
 
+def exact_stack(binary: Path, model: Path, log: Path) -> tuple[AbstractContextManager[str], list[str]]:
+    """kvctl spawning a server of POOL in the exact mode (`supervisor.exact`); the proxy's URL, and the server's
+    argv (its port after `--port`)."""
+    argv = server_argv(binary, model, free_port(), *POOL, "--metrics")
+    env = {"KVCTL_SUPERVISOR__EXACT": "true", "KVCTL_PROXY__PEER_API_KEY": "peer-secret-exact"}
+    sport = argv[argv.index("--port") + 1]
+    return start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, env=env, log_path=log), argv
+
+
 async def test_a_crash_replay_through_kvctl_equals_the_solo_run(
     llama_server_bin: Path,
     smollm2: Path,
@@ -180,11 +189,10 @@ async def test_a_crash_replay_through_kvctl_equals_the_solo_run(
     a target streams beside two others, and kvctl's replay (the client's tokens evaluated again as a prompt, on the
     restarted server) continues it into exactly its solo run."""
     (ref,) = await reference(start_server, http, smollm2, TARGETS[:1], LONG)
-    sport = free_port()
-    argv = server_argv(llama_server_bin, smollm2, sport, *POOL)
-    env = {"KVCTL_SUPERVISOR__EXACT": "true"}
     log = tmp_path / "kvctl.log"
-    with start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, env=env, log_path=log) as url:
+    stack, argv = exact_stack(llama_server_bin, smollm2, log)
+    sport = int(argv[argv.index("--port") + 1])
+    with stack as url:
         status = await get_json(http, f"{stack_admin(url)}/status")
         assert status["upstream"]["exact"] is True
         kills: list[int] = []
@@ -201,14 +209,6 @@ async def test_a_crash_replay_through_kvctl_equals_the_solo_run(
     assert kills and "replay.sent" in log.read_text()
     assert isinstance(res, StreamResult) and res.error is None, res
     assert res.tokens == ref.tokens and res.content == ref.content
-
-
-def exact_stack(binary: Path, model: Path, log: Path, *extra: str) -> tuple[AbstractContextManager[str], list[str]]:
-    """kvctl spawning a server of POOL in the exact mode (`supervisor.exact`); the proxy's URL, and the argv."""
-    argv = server_argv(binary, model, free_port(), *POOL, "--metrics")
-    env = {"KVCTL_SUPERVISOR__EXACT": "true", "KVCTL_PROXY__PEER_API_KEY": "peer-secret-exact"}
-    sport = argv[argv.index("--port") + 1]
-    return start_stack(f"http://127.0.0.1:{sport}", *extra, "--spawn", "--", *argv, env=env, log_path=log), argv
 
 
 async def moved_mid_stream(

@@ -11,6 +11,10 @@ size, on one thread and on two (steps of 1 MiB or more split between them), the 
 no cells left by an unfinished load. Run here for every cache layout a
 park copies: -fa on and off (V stored transposed), f32, f16 and q8_0 caches, on the real models (a llama and
 an iSWA model) and on a random model of many small layers.
+
+tests/test-mul-mat-width.cpp (patch 44): in the CPU backend's reference mode (what `--exact` runs), column 0 of a
+matmul of 2-17 columns equals the column multiplied alone, bit for bit, for 11 weight types, 6 shapes, 1 and 2
+threads (the default path fails it for f32, f16, bf16, IQ4_NL, Q4_K and Q6_K: it picks kernels by width).
 """
 
 from __future__ import annotations
@@ -69,3 +73,9 @@ def test_occupancy_counts_each_cell_once(llama_server_bin: Path, kv64_model: Pat
     gguf = kv64_model if which == "kv64" else realmodels.model_path(which)
     test = series_test(llama_server_bin, "test-memory-occupancy")
     assert "SUCCESS" in run([str(test), "-m", str(gguf), "-t", "1", *LAYOUTS[layout]])
+
+
+def test_the_reference_matmul_sums_a_column_alike_at_every_width(llama_server_bin: Path) -> None:
+    test = series_test(llama_server_bin, "test-mul-mat-width")
+    res = subprocess.run([str(test)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), res.stdout[-3000:] + res.stderr[-2000:]
