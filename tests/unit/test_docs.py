@@ -55,6 +55,14 @@ def test_the_readme_is_short() -> None:
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes, at most {README_MAX_BYTES}: move detail to docs/"
 
 
+def test_every_benchmark_is_in_the_benchmarks_table() -> None:
+    """Each runnable `bench/*.py` (a `python -m bench.X` entry point) has its row in docs/benchmarks.md."""
+    rows = {m.group(1) for m in re.finditer(r"^\| `bench\.(\w+)` \|", (DOCS / "benchmarks.md").read_text(), re.M)}
+    runnable = {p.stem for p in (ROOT / "bench").glob("*.py") if 'if __name__ == "__main__"' in p.read_text()}
+    assert runnable, "no benchmark found"
+    assert runnable - {"report"} <= rows, f"missing rows in docs/benchmarks.md: {sorted(runnable - {'report'} - rows)}"
+
+
 # --- links -----------------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
