@@ -5,7 +5,8 @@ conftest (tests/unit/test_layers.py checks it). Fixtures stay in the conftest fi
 benchmarks need too lives in ``testkit`` instead (``free_port``, ``testkit.policy_sim``).
 
 - ``running_app``: ``kvctl run`` in this process (control loop, admin listener, proxy) against the fake server or a
-  real one; ``serving``: the fake llama-server on a loopback port
+  real one; ``serving``: the fake llama-server on a loopback port; ``admin_app``, ``admin_posts``: bodies POSTed to
+  an admin route
 - ``request``, ``assert_complete``, ``POOL``: a real server's generations, and the pool most tests give it
 - ``ServerFactory``, ``ProxyFactory``: the types of the integration fixtures ``start_server`` and ``start_proxy``
 - ``kill_server``, ``pinned_routes``: a spawned server by its port; the pinned server's registered routes
@@ -28,17 +29,23 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import aiohttp
 import psutil
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
+from controller.admin.app import make_admin_app
 from controller.app import App
 from controller.loop.control import ControlLoop
+from controller.metrics import Metrics
 from controller.policy.types import PolicyConfig
 from controller.probes.host import HostMemory
 from controller.settings import RestoreOrder, Settings, load_settings
+from controller.upstream.client import UpstreamClient
 from controller.upstream.models import KvSnapshot, ParkMode, ParkRates
 from testkit.llama import NO_BYTE_TOKENS, ServerProcess, StreamResult, free_port
 from testkit.snapshots import S, kv
@@ -67,6 +74,39 @@ async def serving(fake: FakeLlamaServer) -> AsyncIterator[TestServer]:
         yield server
     finally:
         await server.close()
+
+
+AdminCase = tuple[bytes, int, str | None]
+"""A body to POST to an admin route, the status it must get, and its error code (None: a success)."""
+
+
+def admin_app(**actions: Any) -> web.Application:
+    """make_admin_app over a control loop whose server does not answer, with the actions given (``restart_server``,
+    ``drain``, ``keeper``): the admin routes' own checks, apart from a server."""
+    settings = load_settings(overrides={"upstream": {"url": "http://127.0.0.1:9"}})
+    loop = ControlLoop(UpstreamClient("http://127.0.0.1:9"), settings, Metrics(CollectorRegistry()))
+    return make_admin_app(settings, loop, **actions)
+
+
+async def admin_posts(app: web.Application, path: str, cases: Sequence[AdminCase]) -> list[Any]:
+    """POST each case's body to ``path`` of the admin ``app`` (make_admin_app) on a loopback port, in order: each
+    status, and each error's code in the envelope and in ``X-Kvctl-Error``, as the case says; the successes' JSON."""
+    server = TestServer(app)
+    await server.start_server()
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for body, status, code in cases:
+                async with http.post(server.make_url(path), data=body) as r:
+                    assert r.status == status, body
+                    answer = await r.json()
+                    if code is None:
+                        answers.append(answer)
+                    else:
+                        assert answer["error"]["code"] == code and r.headers["X-Kvctl-Error"] == code, body
+    finally:
+        await server.close()
+    return answers
 
 
 @contextlib.asynccontextmanager

@@ -339,21 +339,28 @@ async def _manual(request: web.Request) -> web.StreamResponse:
     return web.json_response(result.model_dump(mode="json"), headers={ORIGIN_HEADER: "kvctl"})
 
 
+async def _json_body(request: web.Request, keys: set[str], takes: str, code: Code) -> dict[str, Any] | web.Response:
+    """An admin action's optional body: a JSON object with no names but ``keys`` (none: ``{}``), or the 400 to answer
+    with ``code``, whose message says the body takes ``takes``."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return admin_error_response(400, "the body must be a JSON object", code)
+    if not isinstance(body, dict) or set(body) - keys:
+        return admin_error_response(400, f"the body takes only {takes}", code)
+    return body
+
+
 async def _restart_server(request: web.Request) -> web.StreamResponse:
     """``POST /server/restart`` with an optional ``{"argv": [...], "force": false}``: controller.planned."""
     admin = request.app[_ADMIN]
     if admin.restart_server is None:
         message = "kvctl attaches to this server (no --spawn): restart it yourself; kvctl holds requests meanwhile"
         return admin_error_response(409, message, Code.NOT_SPAWNED)
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        return admin_error_response(400, "the body must be a JSON object", Code.INVALID_ARGV)
-    if not isinstance(body, dict) or set(body) - {"argv", "force"}:
-        return admin_error_response(
-            400, 'the body takes only "argv" (a list of strings) and "force"', Code.INVALID_ARGV
-        )
+    body = await _json_body(request, {"argv", "force"}, '"argv" (a list of strings) and "force"', Code.INVALID_ARGV)
+    if isinstance(body, web.StreamResponse):
+        return body
     argv, force = body.get("argv"), body.get("force", False)
     if argv is not None and not (isinstance(argv, list) and argv and all(isinstance(a, str) and a for a in argv)):
         return admin_error_response(400, '"argv" must be a non-empty list of non-empty strings', Code.INVALID_ARGV)
@@ -375,25 +382,16 @@ async def _reload(request: web.Request) -> web.StreamResponse:
     if admin.keeper is None:
         message = "kvctl runs without its keeper (proxy.keeper off, or TLS on the listener): restart it instead"
         return admin_error_response(409, message, Code.NO_KEEPER)
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        return admin_error_response(400, "the body must be a JSON object", Code.INVALID_ENVIRONMENT)
-    env = body.get("environment") if isinstance(body, dict) else None
-    if (
-        not isinstance(body, dict)
-        or set(body) - {"environment"}
-        or not (
-            env is None
-            or (
-                isinstance(env, dict)
-                and all(isinstance(k, str) and k.startswith("KVCTL_") and isinstance(v, str) for k, v in env.items())
-            )
-        )
+    takes = '"environment": an object of KVCTL_* names to strings'
+    body = await _json_body(request, {"environment"}, takes, Code.INVALID_ENVIRONMENT)
+    if isinstance(body, web.StreamResponse):
+        return body
+    env = body.get("environment")
+    if env is not None and not (
+        isinstance(env, dict)
+        and all(isinstance(k, str) and k.startswith("KVCTL_") and isinstance(v, str) for k, v in env.items())
     ):
-        message = 'the body takes only "environment": an object of KVCTL_* names to strings'
-        return admin_error_response(400, message, Code.INVALID_ENVIRONMENT)
+        return admin_error_response(400, f"the body takes only {takes}", Code.INVALID_ENVIRONMENT)
     admin.keeper.reload(env)
     log.info("reload.asked", environment=sorted(env) if env is not None else None)  # names only: values hold keys
     return web.json_response({"reloading": True, "pid": os.getpid()}, status=202, headers={ORIGIN_HEADER: "kvctl"})
@@ -404,13 +402,9 @@ async def _drain(request: web.Request) -> web.StreamResponse:
     admin = request.app[_ADMIN]
     if admin.drain is None:
         return admin_error_response(409, "this kvctl has no proxy to drain", Code.SERVER_NOT_READY)
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        return admin_error_response(400, "the body must be a JSON object", Code.INVALID_PEERS)
-    if not isinstance(body, dict) or set(body) - {"peers"}:
-        return admin_error_response(400, 'the body takes only "peers" (a list of URLs)', Code.INVALID_PEERS)
+    body = await _json_body(request, {"peers"}, '"peers" (a list of URLs)', Code.INVALID_PEERS)
+    if isinstance(body, web.StreamResponse):
+        return body
     peers = body.get("peers")
     if peers is not None and not (isinstance(peers, list) and all(isinstance(p, str) and _http_url(p) for p in peers)):
         message = '"peers" must be a list of http(s) URLs of other kvctl listeners, e.g. "http://10.0.0.7:8080"'

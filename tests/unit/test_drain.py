@@ -11,18 +11,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from prometheus_client import CollectorRegistry
 
-from controller.admin.app import make_admin_app
 from controller.cli.main import main
 from controller.errors import Code, KvctlError, admin_error_response
-from controller.loop.control import ControlLoop
-from controller.metrics import Metrics
 from controller.proxy.app import make_proxy_app
 from controller.proxy.config import ProxyConfig
 from controller.proxy.peers import model_list
-from controller.settings import load_settings
-from controller.upstream.client import UpstreamClient
+from tests.harness import AdminCase, admin_app, admin_posts
 
 
 def test_two_servers_serve_the_same_model_when_their_ids_and_metadata_agree() -> None:
@@ -38,8 +33,6 @@ def test_two_servers_serve_the_same_model_when_their_ids_and_metadata_agree() ->
 
 
 async def test_the_admin_route_checks_its_body_and_answers_what_the_drain_says() -> None:
-    settings = load_settings(overrides={"upstream": {"url": "http://127.0.0.1:9"}})
-    loop = ControlLoop(UpstreamClient("http://127.0.0.1:9"), settings, Metrics(CollectorRegistry()))
     calls: list[Any] = []
 
     async def drain(peers: list[str] | None) -> dict[str, Any]:
@@ -48,7 +41,7 @@ async def test_the_admin_route_checks_its_body_and_answers_what_the_drain_says()
             raise KvctlError(400, Code.INVALID_PEERS, "no peer to drain to")
         return {"moved": 2, "finished_here": 1, "failed": 0, "seconds": 1.5}
 
-    cases = [
+    cases: list[AdminCase] = [
         (b'{"peers": ["http://10.0.0.7:8080", "https://b.example/kvctl"]}', 200, None),
         (b"", 400, "invalid_peers"),  # none given, none configured: the drain's own refusal
         (b'{"peers": "http://10.0.0.7:8080"}', 400, "invalid_peers"),
@@ -58,20 +51,8 @@ async def test_the_admin_route_checks_its_body_and_answers_what_the_drain_says()
         (b'{"peers": [], "force": true}', 400, "invalid_peers"),
         (b"{not json", 400, "invalid_peers"),
     ]
-    server = TestServer(make_admin_app(settings, loop, drain=drain))
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession() as http:
-            for body, status, code in cases:
-                async with http.post(server.make_url("/drain"), data=body) as r:
-                    assert r.status == status, body
-                    answer = await r.json()
-                    if code is not None:
-                        assert answer["error"]["code"] == code and r.headers["X-Kvctl-Error"] == code, body
-                    else:
-                        assert answer == {"moved": 2, "finished_here": 1, "failed": 0, "seconds": 1.5}
-    finally:
-        await server.close()
+    answers = await admin_posts(admin_app(drain=drain), "/drain", cases)
+    assert answers == [{"moved": 2, "finished_here": 1, "failed": 0, "seconds": 1.5}]
     assert calls == [["http://10.0.0.7:8080", "https://b.example/kvctl"], None]
 
 

@@ -1,4 +1,5 @@
-"""A planned restart's checks before anything stops (controller.planned): which model a command line serves."""
+"""A planned restart's checks before anything stops (controller.planned): which model a command line serves; the admin
+routes' body checks for a restart and a reload of kvctl."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from controller.errors import KvctlError
+from controller.errors import Code, KvctlError
 from controller.planned import model_identity
+from tests.harness import AdminCase, admin_app, admin_posts
 
 
 def test_a_command_lines_model_is_its_file_name_size_alias_and_kv_types(tmp_path: Path) -> None:
@@ -37,20 +39,6 @@ def test_a_command_line_without_a_readable_model_is_refused(argv: Any) -> None:
 
 
 async def test_the_admin_route_checks_its_body_and_answers_what_the_restart_says() -> None:
-    import aiohttp
-    from aiohttp.test_utils import TestServer
-    from prometheus_client import CollectorRegistry
-
-    from controller.admin.app import make_admin_app
-    from controller.errors import Code
-    from controller.loop.control import ControlLoop
-    from controller.metrics import Metrics
-    from controller.settings import load_settings
-    from controller.upstream.client import UpstreamClient
-
-    settings = load_settings(overrides={"upstream": {"url": "http://127.0.0.1:9"}})
-    metrics = Metrics(CollectorRegistry())
-    loop = ControlLoop(UpstreamClient("http://127.0.0.1:9"), settings, metrics)
     calls: list[tuple[Any, bool]] = []
 
     async def restart(argv: list[str] | None, force: bool) -> dict[str, Any]:
@@ -59,38 +47,49 @@ async def test_the_admin_route_checks_its_body_and_answers_what_the_restart_says
             raise KvctlError(409, Code.MODEL_CHANGED, "the new command line serves another model")
         return {"moved": 2, "failed": 0, "seconds": 1.5}
 
-    for restart_server, cases in (
-        (
-            restart,
-            [
-                (b"", 200, None),
-                (b'{"argv": ["llama-server", "-m", "x"], "force": true}', 200, None),
-                (b'{"argv": ["other"]}', 409, "model_changed"),
-                (b"[1]", 400, "invalid_argv"),
-                (b'{"argv": []}', 400, "invalid_argv"),
-                (b'{"argv": "llama-server -m x"}', 400, "invalid_argv"),
-                (b'{"force": "yes"}', 400, "invalid_argv"),
-                (b'{"args": []}', 400, "invalid_argv"),
-                (b"{not json", 400, "invalid_argv"),
-            ],
-        ),
-        (None, [(b"", 409, "not_spawned")]),
-    ):
-        server = TestServer(make_admin_app(settings, loop, restart_server=restart_server))
-        await server.start_server()
-        try:
-            async with aiohttp.ClientSession() as http:
-                for body, status, code in cases:
-                    async with http.post(server.make_url("/server/restart"), data=body) as r:
-                        assert r.status == status, body
-                        answer = await r.json()
-                        if code is not None:
-                            assert answer["error"]["code"] == code and r.headers["X-Kvctl-Error"] == code
-                        else:
-                            assert answer == {"moved": 2, "failed": 0, "seconds": 1.5}
-        finally:
-            await server.close()
+    cases: list[AdminCase] = [
+        (b"", 200, None),
+        (b'{"argv": ["llama-server", "-m", "x"], "force": true}', 200, None),
+        (b'{"argv": ["other"]}', 409, "model_changed"),
+        (b"[1]", 400, "invalid_argv"),
+        (b'{"argv": []}', 400, "invalid_argv"),
+        (b'{"argv": "llama-server -m x"}', 400, "invalid_argv"),
+        (b'{"force": "yes"}', 400, "invalid_argv"),
+        (b'{"args": []}', 400, "invalid_argv"),
+        (b"{not json", 400, "invalid_argv"),
+    ]
+    answers = await admin_posts(admin_app(restart_server=restart), "/server/restart", cases)
+    assert answers == [{"moved": 2, "failed": 0, "seconds": 1.5}] * 2
+    await admin_posts(admin_app(), "/server/restart", [(b"", 409, "not_spawned")])
     assert calls == [(None, False), (["llama-server", "-m", "x"], True), (["other"], False)]
+
+
+async def test_the_reload_route_checks_its_body_and_passes_the_environment_on() -> None:
+    class Keeper:
+        reloads_failed = 0
+        reload_error: str | None = None
+
+        def __init__(self) -> None:
+            self.asked: list[dict[str, str] | None] = []
+
+        def reload(self, environment: dict[str, str] | None = None) -> None:
+            self.asked.append(environment)
+
+    keeper = Keeper()
+    cases: list[AdminCase] = [
+        (b"", 202, None),
+        (b'{"environment": {"KVCTL_POLICY__HIGH": "0.9"}}', 202, None),
+        (b'{"environment": {"POLICY__HIGH": "0.9"}}', 400, "invalid_environment"),
+        (b'{"environment": {"KVCTL_POLICY__HIGH": 0.9}}', 400, "invalid_environment"),
+        (b'{"environment": ["KVCTL_POLICY__HIGH"]}', 400, "invalid_environment"),
+        (b'{"env": {}}', 400, "invalid_environment"),
+        (b"[1]", 400, "invalid_environment"),
+        (b"{not json", 400, "invalid_environment"),
+    ]
+    answers = await admin_posts(admin_app(keeper=keeper), "/reload", cases)
+    assert [a["reloading"] for a in answers] == [True, True]
+    await admin_posts(admin_app(), "/reload", [(b"", 409, "no_keeper")])
+    assert keeper.asked == [None, {"KVCTL_POLICY__HIGH": "0.9"}]
 
 
 async def test_kvctl_restart_server_sends_the_new_command_line_and_says_what_moved(
