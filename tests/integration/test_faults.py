@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,20 +174,36 @@ async def test_a_kvctl_restarted_before_the_lease_lapses_resumes_each_park_once(
     srv = start_server("-c", "4096", "-np", "2", "-kvu", "--slots", "--metrics", "--park-lease", "10", "--no-auto-park")
     first = KvctlProcess(srv.url, tmp_path / "kvctl-first.log")
     second = KvctlProcess(srv.url, tmp_path / "kvctl-second.log")
+    killed_at: list[float] = []
+    resumed_after: dict[int, float] = {}  # a stream's first token after the kill, seconds after it
+
+    def watch(i: int) -> Callable[[StreamResult], Awaitable[None]]:
+        async def on_chunk(_res: StreamResult) -> None:
+            if killed_at and i not in resumed_after:
+                resumed_after[i] = time.monotonic() - killed_at[0]
+
+        return on_chunk
+
     try:
         await first.start(http)
         direct = [
-            asyncio.create_task(stream_completion(http, srv.url, request(f"Parked twice? {i}", 1500))) for i in range(2)
+            asyncio.create_task(
+                stream_completion(http, srv.url, request(f"Parked twice? {i}", 1500), on_chunk=watch(i))
+            )
+            for i in range(2)
         ]
         slots = await poll_json(http, srv.url + "/slots", generating(2), 30, "two generating slots")
         for s in slots:
             assert (await admin_post(http, first.admin, f"/slots/{s['id']}/park"))[0] == 200
         first.kill()
-        t_kill = time.monotonic()
+        killed_at.append(time.monotonic())
         await second.start(http)
         results = await asyncio.wait_for(asyncio.gather(*direct), 30)
         assert_complete(results, 1500)
-        assert time.monotonic() - t_kill < 8.0, "resumed by the new kvctl, not by the 10 s lease"
+        # when they resumed, not when they ended: the rest of 1500 tokens takes seconds more on a busy machine
+        assert len(resumed_after) == 2 and max(resumed_after.values()) < 8.0, (
+            f"resumed by the new kvctl, not by the 10 s lease: {resumed_after}"
+        )
         sm = await server_metrics(http, srv.url)
         assert sm["llamacpp:slot_parks_total"] == 2 and sm["llamacpp:slot_resumes_total"] == 2
         assert sm["llamacpp:slot_resume_failures_total"] == 0
