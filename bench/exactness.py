@@ -16,14 +16,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from testkit.llama import NO_BYTE_TOKENS, StreamResult, stream_completion
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+from testkit.llama import NO_BYTE_TOKENS, StreamResult, first_difference, stream_completion
 
 
 async def run(url: str, n_streams: int, n_predict: int, extra: dict[str, Any]) -> list[StreamResult]:
@@ -66,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             with server(binary, gguf, *base, "--park-test-interval", str(args.interval)) as srv:
                 got = asyncio.run(run(srv.url, n_streams, args.n_predict, extra))
             for i, (r, g) in enumerate(zip(ref, got, strict=True)):
-                div = first_divergence(r.tokens, g.tokens)
+                div = first_difference(r.tokens, g.tokens)
                 rows.append(
                     (
                         name,

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from bench.exactness import first_divergence
-from testkit.llama import StreamResult, post_action, stream_completion
+from testkit.llama import StreamResult, first_difference, post_action, stream_completion
+from testkit.realmodels import user_turn
 
 LAYOUTS = {
     "f16, FA on": ("-fa", "on"),
@@ -38,15 +38,11 @@ SCHEMA = {
 }
 
 
-def chatml(question: str) -> str:
-    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
 PROMPTS: dict[str, list[tuple[str, str, int, dict[str, Any]]]] = {
     "smollm2": [
-        ("chat", chatml("Explain in three sentences why the sky is blue."), 96, {}),
-        ("json_schema", chatml("Describe Paris as JSON."), 96, {"json_schema": SCHEMA}),
-        ("chinese", chatml("Translate to Chinese: I love tea."), 48, {}),
+        ("chat", user_turn("smollm2", "Explain in three sentences why the sky is blue."), 96, {}),
+        ("json_schema", user_turn("smollm2", "Describe Paris as JSON."), 96, {"json_schema": SCHEMA}),
+        ("chinese", user_turn("smollm2", "Translate to Chinese: I love tea."), 48, {}),
     ],
     "gemma3": [
         ("prose past the window", LONG + "\nChapter 15.", 96, {}),
@@ -91,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     for mode in ("swap", "recompute"):
                         got, parks = asyncio.run(one(srv.url, {**req, **extra}, args.every, mode))
                         same = ref.announced_ids == got.announced_ids
-                        div = first_divergence(ref.announced_ids, got.announced_ids)
+                        div = first_difference(ref.announced_ids, got.announced_ids)
                         text = got.content.strip().replace("\n", " ").replace("|", "/")
                         rows.append(
                             (

@@ -19,8 +19,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import build, cli, model, save, server, table
-from bench.exactness import first_divergence
-from testkit.llama import NO_BYTE_TOKENS, stream_completion
+from testkit.llama import NO_BYTE_TOKENS, first_difference, stream_completion
 
 
 def body(i: int, n_predict: int, **extra: Any) -> dict[str, Any]:
@@ -47,7 +46,7 @@ async def run(url: str, n_prompts: int, n_predict: int) -> list[tuple[int, str, 
                         stream_completion(s, url, body(i, n_predict, continuation_tokens=ref[:cut])), *others
                     )
                     tokens = ref[:cut] + got.tokens
-                    div = first_divergence(ref, tokens)
+                    div = first_difference(ref, tokens)
                     rows.append(
                         (
                             i,

@@ -30,6 +30,7 @@ import pytest
 
 from testkit import models
 from testkit.llama import StreamResult, free_port, get_json, post_action, server_argv, stream_completion
+from testkit.realmodels import user_turn
 from testkit.stack import stack_admin, start_stack
 from tests.harness import ProxyFactory, ServerFactory, kill_server
 
@@ -356,8 +357,8 @@ async def test_a_quantized_random_model_loads_answers_and_parks(
 
 
 REPLAYS = {
-    # name: model, prompt (CHAT: a ChatML user turn), n_predict, the token count at which the server is killed,
-    # extra fields
+    # name: model, prompt (CHAT: a user turn in the model's template, testkit.realmodels.user_turn), n_predict, the
+    # token count at which the server is killed, extra fields
     # an answer of ~70 tokens that ends at EOS, killed at 8: a client behind the server on a busy machine still
     # reads token 8 long before the answer's end (an 8-token answer could end before the kill lands)
     "smollm2-eos": ("smollm2", "CHAT:Explain in three sentences why the sky is blue.", 160, 8, {}),
@@ -407,7 +408,7 @@ async def test_streams_replayed_after_a_crash_end_the_same_way(
     with start_stack(f"http://127.0.0.1:{sport}", "--spawn", "--", *argv, log_path=log_path, timeout_s=60) as url:
         for name, (_, prompt, n_predict, kill_at, extra) in cases.items():
             if prompt.startswith("CHAT:"):
-                prompt = f"<|im_start|>user\n{prompt[5:]}<|im_end|>\n<|im_start|>assistant\n"
+                prompt = user_turn(model, prompt[5:])
             req = native(prompt, n_predict, **extra)
             del req["id_slot"]
             ref = outcome(await run(http, url, req))
