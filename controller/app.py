@@ -407,7 +407,9 @@ class App:
         self.link.on_lost = self._keeper_lost
         self.link.start()
         admin = await self.link.hello(
-            split_host_port(self.settings.proxy.listen), split_host_port(self.settings.admin.listen)
+            split_host_port(self.settings.proxy.listen),
+            split_host_port(self.settings.admin.listen),
+            self.settings.keeper.poison_window_s,
         )
         go, fds = await self.link.ready()
         if self.supervisor is not None:

@@ -35,7 +35,15 @@ import subprocess
 import sys
 import time
 
-from controller.keeper_conns import EOF_GRACE_S, Conn, Connections, log, recv_message, send_message
+from controller.keeper_conns import (
+    EOF_GRACE_S,
+    POISON_WINDOW_S,
+    Conn,
+    Connections,
+    log,
+    recv_message,
+    send_message,
+)
 
 # what crosses from one worker to the next (these messages, the resume's framing, the conversation ids a worker names
 # its server streams by) is protocol 1; a worker names the protocols it speaks, the keeper (never replaced by a
@@ -50,6 +58,7 @@ class Worker:
     def __init__(self, proc: subprocess.Popen[bytes], ctrl: socket.socket, env: dict[str, str]) -> None:
         self.proc, self.ctrl, self.env = proc, ctrl, env
         self.state = "starting"  # -> ready -> serving -> dead
+        self.poison_window_s = POISON_WINDOW_S  # its keeper.poison_window_s, as its hello says
 
 
 class Keeper(Connections):
@@ -116,13 +125,14 @@ class Keeper(Connections):
                 log("keeper.replacing", old=old.proc.pid, new=w.proc.pid)
                 old.proc.kill()
                 old.proc.wait()
-                self.worker_died(old)
+                self.worker_died(old, handed_over=True)  # a hand-over: it counts against no request
             self.send(w, {"op": "go", "server": self.server}, self.server_fds)
         elif op == "serving":
             w.state = "serving"
             self.failed_starts = 0
             self.env = w.env  # a reload's settings hold for the workers after it too
             self.worker, self.coming = w, None
+            self.poison_window_s = w.poison_window_s
             for c in list(self.conns.values()):
                 self.dispatch(c)
         elif op == "reload":
@@ -139,6 +149,9 @@ class Keeper(Connections):
 
     def on_hello(self, w: Worker, msg: dict[str, object]) -> None:
         listen, admin = msg.get("listen"), msg.get("admin")
+        window = msg.get("poison_window_s")
+        if isinstance(window, int | float) and not isinstance(window, bool) and window >= 0:
+            w.poison_window_s = float(window)
         spoken = msg.get("protocols")
         if not isinstance(spoken, list) or PROTOCOL not in spoken:
             error = f"this keeper speaks protocol {PROTOCOL}, the new worker {spoken}: restart kvctl to upgrade it"
@@ -227,7 +240,9 @@ class Keeper(Connections):
         log("keeper.reload", environment=sorted(environment) if environment is not None else None)
         self.coming = self.spawn(env)
 
-    def worker_died(self, w: Worker) -> None:
+    def worker_died(self, w: Worker, handed_over: bool = False) -> None:
+        """``w`` exited: its requests go to the next worker (``handed_over``: a reload replaced it, which counts
+        against none of them, see Connections.orphan)."""
         if w.state == "dead":
             return
         was = w.state
@@ -242,7 +257,9 @@ class Keeper(Connections):
         log("keeper.worker_exited", pid=w.proc.pid, code=code, state=was, level="warning")
         for c in list(self.conns.values()):
             if c.worker is w:
-                self.orphan(c)
+                self.drain(c)
+            if c.worker is w and c.id in self.conns:
+                self.orphan(c, handed_over)
         self.abandoned += [k for worker, k, _ in self.left_on if worker is w]  # it died before it could end them
         if w is self.coming:
             self.coming = None

@@ -23,7 +23,8 @@ RECORD_ALL = 1 << 30  # what all of them may hold together
 HEAD_MAX = 64 << 10
 BACKLOG = 1 << 20  # bytes waiting for one side before the keeper stops reading the other
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-POISON_TRIES = 3  # workers that may die holding one request before the keeper drops it (closes its connection)
+POISON_TRIES = 3  # counted worker deaths in a row after which the keeper drops a request (closes its connection)
+POISON_WINDOW_S = 10.0  # a worker's death counts against a request only within this long of taking it (see orphan())
 LEFT_ON_S = 5.0  # how long a client's leaving waits for its worker's death to be noticed
 EOF_GRACE_S = 0.3  # a pair that ends mid-response: the worker's abort, unless the worker turns out dead
 
@@ -184,7 +185,9 @@ class Conn:
         self.tunnel = False
         self.again = False  # the request went to a worker that died before answering it
         self.pair_out = bytearray()  # to write to the pair
-        self.tries = 0  # workers that died while they had this request
+        self.tries = 0  # counted worker deaths in a row while they had this request (the poison rule, orphan())
+        self.taken_at = 0.0  # when the worker that has it took it
+        self.progress = False  # the client got something new since that worker took it
         self.raw_in = False  # the client's bytes cannot be framed: relayed as they come (unframed())
 
 
@@ -197,6 +200,7 @@ class Connections:
     next_id: int
     abandoned: list[str]
     worker: Any
+    poison_window_s = POISON_WINDOW_S  # the serving worker's keeper.poison_window_s, from its hello
     recorded = 0  # bytes held in Conn.record, all connections together
     left_on: list[tuple[Any, str, float]]  # (worker, request, when): clients that left a request a worker had
 
@@ -300,6 +304,7 @@ class Connections:
             b.close()
             a.setblocking(False)
             c.pair, c.worker, c.sent, c.resp, c.smsg, c.eof_at = a, self.worker, 0, bytearray(), None, None
+            c.taken_at, c.progress = time.monotonic(), False
             self.watch(c)
             if c.head_out is not None:
                 c.resume = True
@@ -475,8 +480,24 @@ class Connections:
         c.pair, c.worker, c.eof_at = None, None, None
         c.pair_out.clear()
 
-    def orphan(self, c: Conn) -> None:
-        """Its worker died: the request goes to the next one, as a resume when the client has part of a response."""
+    def drain(self, c: Conn) -> None:
+        """What a dead worker wrote of a response before it died, still in the pair: taken as if read in time (its
+        whole chunks reach the client, and count as the worker's progress)."""
+        while c.pair is not None and c.eof_at is None and c.id in self.conns and not c.tunnel:
+            data = _recv(c.pair)
+            if not data:
+                return
+            c.resp += data
+            self.take_response(c)
+
+    def orphan(self, c: Conn, handed_over: bool = False) -> None:
+        """Its worker died (or, ``handed_over``, a reload replaced it): the request goes to the next one, as a resume
+        when the client has part of a response.
+
+        The poison rule: a death counts against the request only when that worker delivered nothing new of it to the
+        client and had held it for less than ``poison_window_s`` (a request that kills the worker it reaches does so
+        at once, before anything of its answer is out); a reload's replacement never counts. A death that does not
+        count ends the run, and after POISON_TRIES counted deaths in a row the request is dropped."""
         if c.rmsg is None:
             self.drop_pair(c)
             return
@@ -484,18 +505,29 @@ class Connections:
             log("keeper.connection_lost", conn=c.id, reason="a response that cannot be continued", level="warning")
             self.close(c)
             return
+        held_s = time.monotonic() - c.taken_at
+        counted = not handed_over and not c.progress and held_s < self.poison_window_s
         self.drop_pair(c)
         c.again = True
-        c.tries += 1
-        if c.tries > POISON_TRIES:  # each worker that had it died: the request itself may be what kills them
+        c.tries = c.tries + 1 if counted else 0
+        if c.tries >= POISON_TRIES:  # each worker that had it died of it at once: the request itself kills them
             log("keeper.request_dropped", conn=c.id, seq=c.seq, workers=c.tries, level="error")
             self.close(c)
             return
-        log("keeper.held", conn=c.id, seq=c.seq, resume=c.head_out is not None)
+        log(
+            "keeper.held",
+            conn=c.id,
+            seq=c.seq,
+            resume=c.head_out is not None,
+            counted=counted,
+            tries=c.tries,
+            handed_over=handed_over,
+        )
         self.dispatch(c)
 
     def write(self, c: Conn, data: bytes) -> None:
         c.out += data
+        c.progress = c.progress or bool(data)
         self.flush(c)
 
     def flush(self, c: Conn) -> None:

@@ -129,9 +129,18 @@ class KeeperLink:
         finally:
             lost.cancel()
 
-    async def hello(self, listen: tuple[str, int], admin: tuple[str, int]) -> list[socket.socket]:
-        """Ask the keeper for the listeners: it binds them once, for every worker; the admin listener's sockets."""
-        hello = {"op": "hello", "protocols": [PROTOCOL], "listen": list(listen), "admin": list(admin)}
+    async def hello(
+        self, listen: tuple[str, int], admin: tuple[str, int], poison_window_s: float
+    ) -> list[socket.socket]:
+        """Ask the keeper for the listeners: it binds them once, for every worker; the admin listener's sockets.
+        ``poison_window_s`` (keeper.poison_window_s) holds once this worker serves."""
+        hello = {
+            "op": "hello",
+            "protocols": [PROTOCOL],
+            "listen": list(listen),
+            "admin": list(admin),
+            "poison_window_s": poison_window_s,
+        }
         self.send({**hello, "pid": os.getpid()})
         msg, fds = await self._expect("sockets")
         if "error" in msg:

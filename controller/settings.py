@@ -454,6 +454,19 @@ class LoopSettings(_Group):
     """Seconds before the loop restarts after an unexpected exception (logged with its traceback)."""
 
 
+class KeeperSettings(_Group):
+    """The keeper (`proxy.keeper`): the process that holds the clients' connections while workers die or reload."""
+
+    poison_window_s: float = Field(default=10.0, ge=0)
+    """The poison rule: a worker's death counts against a request it held only if the request had delivered nothing
+    new to its client since that worker took it and the worker had held it for less than this many seconds; after 3
+    counted deaths in a row the request is dropped (its connection closed), so one request that kills every worker
+    it reaches cannot keep kvctl down. A reload never counts. 10 s: a request that kills a worker does so while it is
+    read, inspected, admitted or sent (milliseconds, seconds on a busy machine), while unrelated deaths of a worker
+    (an OOM kill, a crash elsewhere) that held a request longer than this say nothing of the request, whatever its
+    client has yet. 0 turns the rule off: no request is ever dropped."""
+
+
 class SupervisorSettings(_Group):
     """Starting and supervising llama-server (`kvctl run --spawn -- ARGV`)."""
 
@@ -560,6 +573,7 @@ class Settings(BaseSettings):
     admin: AdminSettings = AdminSettings()
     policy: PolicySettings = PolicySettings()
     loop: LoopSettings = LoopSettings()
+    keeper: KeeperSettings = KeeperSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
     log: LogSettings = LogSettings()
 

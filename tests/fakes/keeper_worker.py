@@ -7,7 +7,13 @@ It speaks the keeper's protocol (hello, ready, serving; a socket pair per reques
 - ``/poison``: it dies before answering (whichever worker gets it);
 - ``/die-mid-chunk``: a chunked 200, one whole chunk ``one``, then half of the next, then it dies (SIGKILL-like);
 - ``POST /resume`` (the keeper's hand-over): a chunked 200 whose one chunk names what it was given
-  (``resumed:<request line>:<body the client has>``), then the end.
+  (``resumed:<request line>:<body the client has>``), then the end;
+- ``/stream-die/N``: a chunked 200 with one chunk ``x``, then it dies; resumed, one more ``x`` and it dies again, until
+  the client has N of them, then a chunk ``done`` and the end (a long stream through N worker deaths);
+- ``/slow-die/N``, ``/reload-me/N``: the first N workers that get it wait 0.5 s and die, or ask the keeper for a reload
+  and hold it unanswered (counted in a file of ``FAKE_STATE_DIR``); the next one answers ``whole``.
+
+Its hello carries ``FAKE_POISON_WINDOW`` as its keeper.poison_window_s, when set.
 
 Run as ``python -m tests.fakes.keeper_worker``; the keeper starts it with its control socket's fd in the environment.
 """
@@ -17,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
+from pathlib import Path
 
 from controller.keeper import FD_ENV, PROTOCOL
 from controller.keeper_conns import recv_message, send_message
@@ -55,10 +63,25 @@ def _chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
+def _count(name: str, limit: int) -> bool:
+    """Whether this is one of the first ``limit`` workers to get ``name`` (each call counts one)."""
+    path = Path(os.environ["FAKE_STATE_DIR"]) / name.replace("/", "_")
+    n = int(path.read_text()) if path.exists() else 0
+    if n >= limit:
+        return False
+    path.write_text(str(n + 1))
+    return True
+
+
 def main() -> None:
     ctrl = socket.socket(fileno=int(os.environ[FD_ENV]))
     port, admin = int(os.environ["FAKE_LISTEN_PORT"]), int(os.environ["FAKE_ADMIN_PORT"])
-    _send(ctrl, {"op": "hello", "protocols": [PROTOCOL], "listen": ["127.0.0.1", port], "admin": ["127.0.0.1", admin]})
+    hello: dict[str, object] = {"op": "hello", "protocols": [PROTOCOL], "listen": ["127.0.0.1", port]}
+    hello["admin"] = ["127.0.0.1", admin]
+    if os.environ.get("FAKE_POISON_WINDOW"):
+        hello["poison_window_s"] = float(os.environ["FAKE_POISON_WINDOW"])
+    _send(ctrl, hello)
+    held = []
     _recv(ctrl)
     _send(ctrl, {"op": "ready"})
     _recv(ctrl)
@@ -77,6 +100,18 @@ def main() -> None:
             pair.sendall(b"def")
         elif path == "/poison":  # every worker that reads it dies
             os._exit(9)
+        elif path.startswith("/stream-die/"):
+            pair.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"x"))
+            os._exit(9)
+        elif path.startswith("/slow-die/") and _count(path, int(path.rsplit("/", 1)[1])):
+            time.sleep(0.5)
+            os._exit(9)
+        elif path.startswith("/reload-me/") and _count(path, int(path.rsplit("/", 1)[1])):
+            _send(ctrl, {"op": "reload"})
+            held.append(pair)  # never answered: the keeper hands it to the new worker
+            continue
+        elif path.startswith(("/slow-die/", "/reload-me/")):
+            pair.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwhole")
         elif path == "/whole":
             pair.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwhole")
         elif path == "/die-mid-chunk":
@@ -87,6 +122,14 @@ def main() -> None:
             n_req, n_head = int(fields["x-request-bytes"]), int(fields["x-head-bytes"])
             request_line = body[:n_req].split(b"\r\n")[0]
             had = body[n_req + n_head :]
+            if request_line.startswith(b"GET /stream-die/"):
+                wanted = int(request_line.split(b" ")[1].rsplit(b"/", 1)[1])
+                if len(had) < wanted:
+                    pair.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"x"))
+                    os._exit(9)
+                pair.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"done") + b"0\r\n\r\n")
+                pair.close()
+                continue
             out = b"resumed:" + request_line + b":" + had
             pair.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(out) + b"0\r\n\r\n")
         pair.close()

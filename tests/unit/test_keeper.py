@@ -5,6 +5,7 @@ handed exactly what the client has. The real worker's hand-overs: tests/integrat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -46,11 +47,18 @@ def test_message_heads_and_their_bodies() -> None:
 
 
 @contextlib.contextmanager
-def keeper() -> Iterator[int]:
+def keeper(state: Path | None = None, window: float | None = None, log: Path | None = None) -> Iterator[int]:
+    """A keeper with the stand-in worker on a free port; ``state``: the stand-in's counters, ``window``: its
+    keeper.poison_window_s, ``log``: where the keeper's stderr goes."""
     port = free_port()
     env = {**os.environ, "FAKE_LISTEN_PORT": str(port), "FAKE_ADMIN_PORT": str(free_port())}
+    if state is not None:
+        env["FAKE_STATE_DIR"] = str(state)
+    if window is not None:
+        env["FAKE_POISON_WINDOW"] = str(window)
     worker = [sys.executable, "-m", "tests.fakes.keeper_worker"]
-    proc = subprocess.Popen([sys.executable, "-m", "controller.keeper", "--", *worker], cwd=ROOT, env=env)
+    err = open(log, "wb") if log is not None else None
+    proc = subprocess.Popen([sys.executable, "-m", "controller.keeper", "--", *worker], cwd=ROOT, env=env, stderr=err)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -62,6 +70,8 @@ def keeper() -> Iterator[int]:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
+        if err is not None:
+            err.close()
 
 
 def _read_all(sock: socket.socket) -> bytes:
@@ -113,11 +123,57 @@ def test_a_body_that_ends_with_the_connection_reaches_the_client_whole() -> None
         assert _read_all(s) == b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nabcdef"
 
 
-def test_a_request_that_kills_every_worker_is_dropped_and_the_rest_served() -> None:
-    with keeper() as port:
+def test_a_request_that_kills_every_worker_is_dropped_and_the_rest_served(tmp_path: Path) -> None:
+    log = tmp_path / "keeper.log"
+    with keeper(log=log) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             s.sendall(b"GET /poison HTTP/1.1\r\nHost: x\r\n\r\n")
             assert _read_all(s) == b"", "closed after POISON_TRIES workers died of it"
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             s.sendall(b"GET /whole HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert _read_all(s).endswith(b"whole")
+    events = _events(log)
+    assert [e["workers"] for e in events if e["event"] == "keeper.request_dropped"] == [3]
+    assert [e["counted"] for e in events if e["event"] == "keeper.held"] == [True, True], "three deaths in a row"
+
+
+def _events(log: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def _get(port: int, path: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        return _read_all(s)
+
+
+def test_a_stream_that_progresses_with_each_worker_survives_any_number_of_deaths(tmp_path: Path) -> None:
+    log = tmp_path / "keeper.log"
+    with keeper(log=log) as port:
+        got = _get(port, "/stream-die/8")  # eight workers each deliver one chunk and die at once
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == b"1\r\nx\r\n" * 8 + b"4\r\ndone\r\n0\r\n\r\n", got
+    held = [e for e in _events(log) if e["event"] == "keeper.held"]
+    assert len(held) == 8 and not any(e["counted"] for e in held), "each death came after something new"
+
+
+def test_deaths_after_the_window_do_not_count_and_within_it_they_do(tmp_path: Path) -> None:
+    (tmp_path / "short").mkdir()
+    with keeper(tmp_path / "short", window=0.2) as port:
+        assert _get(port, "/slow-die/5").endswith(b"whole"), "five workers held it 0.5 s each, past the window"
+    assert (tmp_path / "short" / "_slow-die_5").read_text() == "5"
+    (tmp_path / "long").mkdir()  # the control: the same deaths within the default window drop it after three
+    with keeper(tmp_path / "long") as port:
+        assert _get(port, "/slow-die/5") == b""
+    assert (tmp_path / "long" / "_slow-die_5").read_text() == "3"
+
+
+def test_a_reload_is_a_hand_over_that_counts_against_no_request(tmp_path: Path) -> None:
+    log = tmp_path / "keeper.log"
+    with keeper(tmp_path, log=log) as port:
+        assert _get(port, "/reload-me/6").endswith(b"whole"), "six reloads replaced the worker holding it"
+    assert (tmp_path / "_reload-me_6").read_text() == "6"
+    events = _events(log)
+    held = [e for e in events if e["event"] == "keeper.held"]
+    assert len(held) == 6 and all(e["handed_over"] and not e["counted"] for e in held)
+    assert sum(e["event"] == "keeper.replacing" for e in events) == 6
