@@ -111,8 +111,11 @@ def _prompt(i: int) -> str:
     return f"Story {i}: tell me a long story about a {['cat', 'dog', 'owl', 'fox', 'bee'][i % 5]} number {i}."
 
 
-async def _one(kind: str, i: int, base: str, http: aiohttp.ClientSession) -> Seen:
-    seen = Seen(kind)
+async def _one(
+    kind: str, i: int, base: str, http: aiohttp.ClientSession, seen: Seen | None = None, n_predict: int = N_PREDICT
+) -> Seen:
+    """One request of ``kind`` as its client library makes it, into ``seen`` (read while it runs, where given)."""
+    seen = Seen(kind) if seen is None else seen
     extra = {"ignore_eos": True}
     msgs = [{"role": "user", "content": _prompt(i)}]
     try:
@@ -121,24 +124,24 @@ async def _one(kind: str, i: int, base: str, http: aiohttp.ClientSession) -> See
             if kind == "plain":  # not streamed: the SDK parses the answer
                 async with client:
                     r = await client.chat.completions.create(
-                        model="m", messages=msgs, max_tokens=N_PREDICT, temperature=0, extra_body=extra
+                        model="m", messages=msgs, max_tokens=n_predict, temperature=0, extra_body=extra
                     )
                 seen.text, seen.usage = r.choices[0].message.content or "", r.usage.completion_tokens
                 seen.prompt, seen.final = r.usage.prompt_tokens, True
                 return seen
             if kind == "chat":
                 cm = client.chat.completions.with_streaming_response.create(
-                    model="m", messages=msgs, max_tokens=N_PREDICT, temperature=0, stream=True,
+                    model="m", messages=msgs, max_tokens=n_predict, temperature=0, stream=True,
                     stream_options={"include_usage": True}, extra_body=extra,
                 )  # fmt: skip
             elif kind == "completions":
                 cm = client.completions.with_streaming_response.create(
-                    model="m", prompt=_prompt(i), max_tokens=N_PREDICT, temperature=0, stream=True,
+                    model="m", prompt=_prompt(i), max_tokens=n_predict, temperature=0, stream=True,
                     stream_options={"include_usage": True}, extra_body=extra,
                 )  # fmt: skip
             else:
                 cm = client.responses.with_streaming_response.create(
-                    model="m", input=_prompt(i), max_output_tokens=N_PREDICT, temperature=0, stream=True,
+                    model="m", input=_prompt(i), max_output_tokens=n_predict, temperature=0, stream=True,
                     extra_body=extra,
                 )  # fmt: skip
             async with client, cm as resp:
@@ -149,13 +152,13 @@ async def _one(kind: str, i: int, base: str, http: aiohttp.ClientSession) -> See
             async with (
                 ac,
                 ac.messages.with_streaming_response.create(
-                    model="m", messages=msgs, max_tokens=N_PREDICT, stream=True, extra_body={**extra, "temperature": 0}
+                    model="m", messages=msgs, max_tokens=n_predict, stream=True, extra_body={**extra, "temperature": 0}
                 ) as resp,
             ):
                 async for line in resp.iter_lines():
                     _take(seen, line)
         else:
-            body = {"prompt": _prompt(i), "n_predict": N_PREDICT, "stream": True, **extra}
+            body = {"prompt": _prompt(i), "n_predict": n_predict, "stream": True, **extra}
             async with http.post(base + "/completion", json=body) as resp:
                 buf = b""
                 async for chunk in resp.content.iter_any():
@@ -168,12 +171,12 @@ async def _one(kind: str, i: int, base: str, http: aiohttp.ClientSession) -> See
     return seen
 
 
-async def _check(seen: list[Seen], http: aiohttp.ClientSession, server: str) -> None:
+async def _check(seen: list[Seen], http: aiohttp.ClientSession, server: str, n_predict: int = N_PREDICT) -> None:
     for s in seen:
         assert not s.errors, f"{s.kind}: {s.errors}"
         assert s.final, f"{s.kind}: no final event"
         # ignore_eos keeps the EOS token from ending a stream, not the chat template's end-of-turn stop string
-        assert s.usage is not None and 0 < s.usage <= N_PREDICT, f"{s.kind}: usage counts {s.usage} tokens"
+        assert s.usage is not None and 0 < s.usage <= n_predict, f"{s.kind}: usage counts {s.usage} tokens"
         assert s.text, f"{s.kind}: no text"
         if s.kind != "plain":
             # the server's count against the ids the client got: fewer is a token lost, more a token twice
@@ -419,5 +422,76 @@ async def test_a_client_that_leaves_ends_its_stream_on_the_server(
             # the client has left (the response closed)
             assert await _idle_soon(http, srv.url, 15), f"still generating (worker died: {worker_dies})"
         assert [e for e in kv.events() if e["event"] == "takeover.abandoned"], "no stream ended as abandoned"
+    finally:
+        await kv.stop()
+
+
+async def test_a_chat_survives_any_number_of_reloads_and_worker_kills(
+    smollm2: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Five streams of five protocols (some parked) through 10 reloads (SIGHUP, two of them `kvctl reload`) and 5
+    worker SIGKILLs, each placed once the clients have received new tokens from the worker before it (so the kills
+    land mid-stream, and some while a request is parked): every stream completes exactly, no request is dropped, no
+    reload counts against one, the server evaluates the prompts alone (nothing again, nothing recomputed)."""
+    n = 256
+    srv = start_server(*POOL, model=smollm2)
+    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=ENV)
+    try:
+        await kv.start(http)
+        m0 = parse_metrics(await (await http.get(srv.url + "/metrics")).text())
+        seen = [Seen(k) for k in KINDS[:5]]
+        tasks = [asyncio.create_task(_one(s.kind, i, kv.proxy, http, s, n)) for i, s in enumerate(seen)]
+        pid = await _worker_pid(http, kv.admin)
+        plan = [
+            "hup",
+            "kill",
+            "hup",
+            "reload",
+            "kill",
+            "hup",
+            "hup",
+            "kill",
+            "hup",
+            "reload",
+            "kill",
+            "hup",
+            "hup",
+            "kill",
+            "hup",
+        ]
+        assert kv.proc is not None
+        done = 0
+        for step in plan:
+            had = sum(len(s.ids) for s in seen)
+            deadline = time.monotonic() + 60
+            while sum(len(s.ids) for s in seen) <= had:  # the worker before has streamed something new
+                assert time.monotonic() < deadline, "no stream made progress"
+                await asyncio.sleep(0.02)
+            if all(s.final for s in seen):
+                break
+            if step == "kill":
+                os.kill(pid, signal.SIGKILL)
+            elif step == "hup":
+                os.kill(kv.proc.pid, signal.SIGHUP)
+            else:
+                code, out, err = await _reload(kv.admin)
+                assert code == 0, (out, err)
+            pid = await _worker_pid(http, kv.admin, other_than=pid)
+            done += 1
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        assert done >= 12, f"the streams ended after {done} of {len(plan)} steps: make them longer"
+        await _check(got, http, srv.url, n)
+        m = parse_metrics(await (await http.get(srv.url + "/metrics")).text())
+        evaluated = m["llamacpp:prompt_tokens_total"] - m0["llamacpp:prompt_tokens_total"]
+        assert evaluated == sum(s.prompt or 0 for s in got), "a prompt or a generated token was evaluated again"
+        assert m["llamacpp:recomputed_tokens_total"] == m0["llamacpp:recomputed_tokens_total"]
+        assert m["llamacpp:slot_resumes_total"] == m["llamacpp:slot_parks_total"]
+        events = kv.events()
+        assert not [e for e in events if e["event"] == "keeper.request_dropped"]
+        reloads = sum(1 for step in plan[:done] if step != "kill")
+        assert sum(e["event"] == "keeper.replacing" for e in events) == reloads, "each reload was a hand-over"
+        held = [e for e in events if e["event"] == "keeper.held"]
+        assert held and not [e for e in held if e["handed_over"] and e["counted"]], "a reload counted as a death"
+        assert [e for e in events if e["event"] == "takeover.attached"], "no stream was taken over"
     finally:
         await kv.stop()
