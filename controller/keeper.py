@@ -20,7 +20,8 @@ before. The keeper's own death is the one case that loses connections. Protocol 
 pair, JSON messages): worker ``hello`` (its listen addresses) -> keeper ``sockets`` (the admin listener's sockets) ->
 worker ``ready`` -> keeper ``go`` (the adopted server, if any) -> worker ``serving``; keeper ``conn`` (a request, with
 its pair), ``abandoned`` (requests whose clients left while no worker had them); worker ``reload``, ``server`` (a
-spawned server's pid), ``bye`` (exiting on purpose, with its code).
+spawned server's pid), ``taken`` (a request read and inspected: see the poison rule), ``bye`` (exiting on purpose,
+with its code).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class Keeper(Connections):
             self.poison_window_s = w.poison_window_s
             for c in list(self.conns.values()):
                 self.dispatch(c)
+        elif op == "taken":
+            self.taken(w, msg.get("id"), msg.get("seq"))
         elif op == "reload":
             self.reload(msg.get("environment"))
         elif op == "server":  # a server the worker spawned: the next worker adopts it, with its output pipes

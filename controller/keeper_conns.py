@@ -188,6 +188,7 @@ class Conn:
         self.tries = 0  # counted worker deaths in a row while they had this request (the poison rule, orphan())
         self.taken_at = 0.0  # when the worker that has it took it
         self.progress = False  # the client got something new since that worker took it
+        self.taken = False  # that worker said it read and inspected it (op "taken"): the request did not kill it
         self.raw_in = False  # the client's bytes cannot be framed: relayed as they come (unframed())
 
 
@@ -304,7 +305,7 @@ class Connections:
             b.close()
             a.setblocking(False)
             c.pair, c.worker, c.sent, c.resp, c.smsg, c.eof_at = a, self.worker, 0, bytearray(), None, None
-            c.taken_at, c.progress = time.monotonic(), False
+            c.taken_at, c.progress, c.taken = time.monotonic(), False, False
             self.watch(c)
             if c.head_out is not None:
                 c.resume = True
@@ -480,6 +481,12 @@ class Connections:
         c.pair, c.worker, c.eof_at = None, None, None
         c.pair_out.clear()
 
+    def taken(self, w: Any, ident: object, seq: object) -> None:
+        """Worker ``w`` read and inspected request ``seq`` of connection ``ident``: the request did not kill it."""
+        c = self.conns.get(ident) if isinstance(ident, int) else None
+        if c is not None and c.worker is w and c.seq == seq:
+            c.taken = True
+
     def drain(self, c: Conn) -> None:
         """What a dead worker wrote of a response before it died, still in the pair: taken as if read in time (its
         whole chunks reach the client, and count as the worker's progress)."""
@@ -495,8 +502,10 @@ class Connections:
         when the client has part of a response.
 
         The poison rule: a death counts against the request only when that worker delivered nothing new of it to the
-        client and had held it for less than ``poison_window_s`` (a request that kills the worker it reaches does so
-        at once, before anything of its answer is out); a reload's replacement never counts. A death that does not
+        client, had not said it read it whole (``taken``: a request queued for admission, parked, or generating a
+        non-streamed answer did not kill it) and had held it for less than ``poison_window_s`` (a request that kills
+        the worker it reaches does so at once, before anything of its answer is out); a reload's replacement never
+        counts. A death that does not
         count ends the run, and after POISON_TRIES counted deaths in a row the request is dropped."""
         if c.rmsg is None:
             self.drop_pair(c)
@@ -506,7 +515,7 @@ class Connections:
             self.close(c)
             return
         held_s = time.monotonic() - c.taken_at
-        counted = not handed_over and not c.progress and held_s < self.poison_window_s
+        counted = not handed_over and not c.progress and not c.taken and held_s < self.poison_window_s
         self.drop_pair(c)
         c.again = True
         c.tries = c.tries + 1 if counted else 0

@@ -191,6 +191,11 @@ class KeeperLink:
         """A request's id (X-Request-Id upstream, in /slots, echoed to its client), the same in every worker."""
         return "kvctl-" + hashlib.sha256(self.conv_prefix(pair).encode()).hexdigest()[:32]
 
+    def taken(self, pair: Pair) -> None:
+        """This worker read and inspected the request on ``pair`` (or set up its resume): whatever kills this worker
+        from here on, it was not the request's bytes (the keeper's poison rule, keeper.poison_window_s)."""
+        self.send({"op": "taken", "id": pair.conn, "seq": pair.seq})
+
     def reload(self, environment: dict[str, str] | None = None) -> None:
         """Ask the keeper for a new worker (``environment``: its KVCTL_ variables instead of the ones it has)."""
         self.send({"op": "reload", "environment": environment})

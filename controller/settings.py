@@ -459,7 +459,8 @@ class KeeperSettings(_Group):
 
     poison_window_s: float = Field(default=10.0, ge=0)
     """The poison rule: a worker's death counts against a request it held only if the request had delivered nothing
-    new to its client since that worker took it and the worker had held it for less than this many seconds; after 3
+    new to its client since that worker took it, the worker had not yet read and inspected it whole (a request queued,
+    parked or generating a non-streamed answer did not kill it) and had held it for less than this many seconds; after 3
     counted deaths in a row the request is dropped (its connection closed), so one request that kills every worker
     it reaches cannot keep kvctl down. A reload never counts. 10 s: a request that kills a worker does so while it is
     read, inspected, admitted or sent (milliseconds, seconds on a busy machine), while unrelated deaths of a worker

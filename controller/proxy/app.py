@@ -285,6 +285,8 @@ class Proxy:
         except InvalidPriority as e:
             return await self.errors.kvctl_error(request, 400, str(e), Code.INVALID_PRIORITY)
         priority_var.set(priority.value)
+        if pair is not None:
+            self.link.taken(pair)  # type: ignore[union-attr]
         ctx.headers = self.upstream.headers(ctx, generation=True)
         ctx.headers[PRIORITY_HEADER] = str(priority.value)
         if body.malformed:

@@ -225,6 +225,7 @@ class Takeover:
         for event in [*framer.feed(delivered), framer.flush()]:
             if event:
                 t.observe(event)
+        self.link.taken(pair)
         resp = web.StreamResponse(status=200)
         await resp.prepare(request)
         ctx.response = resp

@@ -11,7 +11,8 @@ It speaks the keeper's protocol (hello, ready, serving; a socket pair per reques
 - ``/stream-die/N``: a chunked 200 with one chunk ``x``, then it dies; resumed, one more ``x`` and it dies again, until
   the client has N of them, then a chunk ``done`` and the end (a long stream through N worker deaths);
 - ``/slow-die/N``, ``/reload-me/N``: the first N workers that get it wait 0.5 s and die, or ask the keeper for a reload
-  and hold it unanswered (counted in a file of ``FAKE_STATE_DIR``); the next one answers ``whole``.
+  and hold it unanswered (counted in a file of ``FAKE_STATE_DIR``); the next one answers ``whole``;
+- ``/taken-die/N``: likewise, but each of the first N tells the keeper it read the request whole, then dies.
 
 Its hello carries ``FAKE_POISON_WINDOW`` as its keeper.poison_window_s, when set.
 
@@ -103,6 +104,12 @@ def main() -> None:
         elif path.startswith("/stream-die/"):
             pair.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"x"))
             os._exit(9)
+        elif path.startswith("/taken-die/") and _count(path, int(path.rsplit("/", 1)[1])):
+            _send(
+                ctrl, {"op": "taken", "id": msg["id"], "seq": msg["seq"]}
+            )  # read whole: then it dies of something else
+            time.sleep(0.2)
+            os._exit(9)
         elif path.startswith("/slow-die/") and _count(path, int(path.rsplit("/", 1)[1])):
             time.sleep(0.5)
             os._exit(9)
@@ -110,7 +117,7 @@ def main() -> None:
             _send(ctrl, {"op": "reload"})
             held.append(pair)  # never answered: the keeper hands it to the new worker
             continue
-        elif path.startswith(("/slow-die/", "/reload-me/")):
+        elif path.startswith(("/slow-die/", "/reload-me/", "/taken-die/")):
             pair.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwhole")
         elif path == "/whole":
             pair.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nwhole")

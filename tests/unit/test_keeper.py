@@ -168,6 +168,12 @@ def test_deaths_after_the_window_do_not_count_and_within_it_they_do(tmp_path: Pa
     assert (tmp_path / "long" / "_slow-die_5").read_text() == "3"
 
 
+def test_a_death_after_the_worker_read_the_request_whole_does_not_count(tmp_path: Path) -> None:
+    with keeper(tmp_path) as port:  # the default window: only "taken" keeps these five deaths from counting
+        assert _get(port, "/taken-die/5").endswith(b"whole")
+    assert (tmp_path / "_taken-die_5").read_text() == "5"
+
+
 def test_a_reload_is_a_hand_over_that_counts_against_no_request(tmp_path: Path) -> None:
     log = tmp_path / "keeper.log"
     with keeper(tmp_path, log=log) as port:
