@@ -133,7 +133,6 @@ class Keeper(Connections):
             self.failed_starts = 0
             self.env = w.env  # a reload's settings hold for the workers after it too
             self.worker, self.coming = w, None
-            self.poison_window_s = w.poison_window_s
             for c in list(self.conns.values()):
                 self.dispatch(c)
         elif op == "taken":

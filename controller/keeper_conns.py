@@ -201,7 +201,6 @@ class Connections:
     next_id: int
     abandoned: list[str]
     worker: Any
-    poison_window_s = POISON_WINDOW_S  # the serving worker's keeper.poison_window_s, from its hello
     recorded = 0  # bytes held in Conn.record, all connections together
     left_on: list[tuple[Any, str, float]]  # (worker, request, when): clients that left a request a worker had
 
@@ -505,8 +504,8 @@ class Connections:
         client, had not said it read it whole (``taken``: a request queued for admission, parked, or generating a
         non-streamed answer did not kill it) and had held it for less than ``poison_window_s`` (a request that kills
         the worker it reaches does so at once, before anything of its answer is out); a reload's replacement never
-        counts. A death that does not
-        count ends the run, and after POISON_TRIES counted deaths in a row the request is dropped."""
+        counts. A death that does not count ends the run, and after POISON_TRIES counted deaths in a row the request
+        is dropped. The window is the dead worker's own (its hello's keeper.poison_window_s)."""
         if c.rmsg is None:
             self.drop_pair(c)
             return
@@ -515,7 +514,8 @@ class Connections:
             self.close(c)
             return
         held_s = time.monotonic() - c.taken_at
-        counted = not handed_over and not c.progress and not c.taken and held_s < self.poison_window_s
+        window = c.worker.poison_window_s  # the dead worker's (Worker, controller.keeper)
+        counted = not handed_over and not c.progress and not c.taken and held_s < window
         self.drop_pair(c)
         c.again = True
         c.tries = c.tries + 1 if counted else 0

@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from controller.keeper_conns import POISON_WINDOW_S
 from controller.keys import ApiKey, KeyFileError, KeyRing, parse_key_entry, read_key_file
 from controller.priorities import INT32_MAX, INT32_MIN
 
@@ -457,7 +458,7 @@ class LoopSettings(_Group):
 class KeeperSettings(_Group):
     """The keeper (`proxy.keeper`): the process that holds the clients' connections while workers die or reload."""
 
-    poison_window_s: float = Field(default=10.0, ge=0)
+    poison_window_s: float = Field(default=POISON_WINDOW_S, ge=0)
     """The poison rule: a worker's death counts against a request it held only if the request had delivered nothing
     new to its client since that worker took it, the worker had not yet read and inspected it whole (a request queued,
     parked or generating a non-streamed answer did not kill it) and had held it for less than this many seconds; after 3
