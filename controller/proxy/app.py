@@ -303,7 +303,9 @@ class Proxy:
         self.replay.begin(ctx, body)
         # a resumable stream's bytes are counted by its client: nothing of kvctl's own goes into it
         ctx.raw = bool(body.conversation)
-        if pair is not None and body.stream and not body.conversation and not body.predict:
+        if pair is not None and not body.conversation and not body.predict:
+            # on the server as a conversation: a stream's bytes, or a non-streamed answer (patch 0047), outlive this
+            # worker, and the next attaches to them instead of sending the request again
             ctx.conv_prefix, ctx.again = self.link.conv_prefix(pair), pair.again  # type: ignore[union-attr]
         return await self.admitted(ctx, body, priority)
 

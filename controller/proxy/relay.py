@@ -154,11 +154,10 @@ class Relay:
                 return await self._lookup(ctx, upstream, ctx.lookup_owner)
             if upstream.status == 200 and (ctx.slots_view or self.cacheable(ctx)):
                 return await self._whole(ctx, upstream)
-            resp = web.StreamResponse(
-                status=upstream.status,
-                reason=upstream.reason,
-                headers=Upstream.response_headers(upstream, ctx.client_request_id, ctx.request_id, keep_length=True),
-            )
+            headers = Upstream.response_headers(upstream, ctx.client_request_id, ctx.request_id, keep_length=True)
+            if ctx.attached:
+                headers.popall("X-Conversation-Answer", None)  # a previous worker's answer, as the client asked it
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
             await resp.prepare(ctx.request)
             ctx.response = resp
             await self.relay_bytes(ctx, upstream, ctx.owner if is_sse else None)

@@ -95,6 +95,9 @@ class Replay:
                     ctx.conv = f"{ctx.conv_prefix}::0"
                 return await self.upstream.send(ctx, ctx.body)
             except Moving:
+                if ctx.conv is not None and self.takeover is not None:
+                    self.takeover.end_session(ctx.conv)  # a conversation goes on without its connection: stopped
+                    ctx.conv = None
                 continue  # withdrawn here: to a peer whole
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 refused = isinstance(e, aiohttp.ClientConnectorError)

@@ -5,7 +5,9 @@ from its request id (``<request id>::<ids it continues from>``), so that the ser
 buffer when the worker that sent it dies, instead of dropping the request. The next worker then:
 
 - for a request the keeper sends again (its response had not started): attaches to the server's stream of it, if the
-  server has one, instead of sending it again (:meth:`Takeover.attach_again`);
+  server has one, instead of sending it again (:meth:`Takeover.attach_again`); a non-streamed generation goes to the
+  server as a conversation too, whose session keeps its answer (patch 0047): the next worker waits for that answer
+  and relays it as it is, so the server evaluates and generates it once whatever the workers do meanwhile;
 - for a response under way (``POST /resume`` on a pair of the keeper's: the request, the head the client has and the
   body it has): rebuilds the stream's transcript from what the client has, attaches to the server's stream and skips
   the events the client has (by the token ids it has), or, when the server has no stream of it (restarted
@@ -42,11 +44,12 @@ from controller.proxy.sse import SSEFramer
 if TYPE_CHECKING:
     from controller.proxy.app import Proxy
 
-__all__ = ["CONV_HEADER", "Takeover", "parse_request"]
+__all__ = ["ANSWER_HEADER", "CONV_HEADER", "Takeover", "parse_request"]
 
 log = structlog.get_logger("kvctl.proxy")
 
 CONV_HEADER = "X-Conversation-Id"
+ANSWER_HEADER = "X-Conversation-Answer"
 
 
 def _dechunk(data: bytes) -> bytes:
@@ -137,7 +140,9 @@ class Takeover:
             raise
         except (aiohttp.ClientError, OSError):
             return None
-        if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+        whole = upstream.headers.get(ANSWER_HEADER) == "1"  # a non-streamed request's answer, any status (0047)
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if whole or (upstream.status == 200 and sse):
             ctx.conv, ctx.attached = conv, True
             # the stream's name holds the keeper's secret: logged by what it continues from only
             log.info("takeover.attached", request_id=ctx.request_id, after_tokens=int(conv.rsplit("::", 1)[1]))
