@@ -59,6 +59,7 @@ class KeeperLink:
         self.reloads_failed = 0
         self._exits: dict[int, asyncio.Future[int]] = {}
         self.reload_error: str | None = None
+        self.listen_unchanged: str | None = None  # what this worker's settings asked of the listeners, not in force
 
     @classmethod
     def from_env(cls) -> KeeperLink | None:
@@ -147,6 +148,10 @@ class KeeperLink:
             raise KeeperError(str(msg["error"]))
         kept = (tuple(msg.get("listen") or listen), tuple(msg.get("admin") or admin))
         if kept != (tuple(listen), tuple(admin)):
+            self.listen_unchanged = (
+                f"proxy.listen {listen[0]}:{listen[1]} and admin.listen {admin[0]}:{admin[1]} asked; still listening "
+                f"on {kept[0][0]}:{kept[0][1]} and {kept[1][0]}:{kept[1][1]} until kvctl restarts"
+            )
             log.warning(
                 "keeper.listen_unchanged",
                 listening=[f"{h}:{p}" for h, p in kept],

@@ -170,7 +170,12 @@ class _Admin:
         k = self.keeper
         if k is None:
             return None
-        return KeeperView(pid=os.getpid(), reloads_failed=k.reloads_failed, last_reload_error=k.reload_error)
+        return KeeperView(
+            pid=os.getpid(),
+            reloads_failed=k.reloads_failed,
+            last_reload_error=k.reload_error,
+            listen_unchanged=k.listen_unchanged,
+        )
 
     def loop_healthy(self) -> bool:
         return self.loop_alive() and not self.loop.stalled(LOOP_STALL_S)
@@ -205,6 +210,7 @@ class KeeperControl(Protocol):
 
     reloads_failed: int
     reload_error: str | None
+    listen_unchanged: str | None
 
     def reload(self, environment: dict[str, str] | None = None) -> None: ...
 

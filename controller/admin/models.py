@@ -208,6 +208,9 @@ class KeeperView(_Model):
     reloads_failed: int
     """Reloads whose new worker died before it took over (this one went on serving)."""
     last_reload_error: str | None
+    listen_unchanged: str | None = None
+    """Listen addresses this worker's settings ask for that the keeper did not take: it bound its listeners once, and
+    they change only when kvctl restarts (a reload keeps them); None when the settings and the listeners agree."""
 
 
 class Status(_Model):

@@ -237,6 +237,8 @@ def render_status(status: Status, *, unicode: bool = True) -> str:
         k = status.keeper
         failed = f"; {k.reloads_failed} reload(s) failed, last: {k.last_reload_error}" if k.reloads_failed else ""
         header.append(("worker", f"pid {k.pid}, under the keeper (kvctl reload keeps every connection){failed}"))
+        if k.listen_unchanged is not None:
+            header.append(("problem", k.listen_unchanged))
     header += _pool_lines(status.pool, unicode=unicode)
     header += _memory_lines(status)
     header += [("problem", p) for p in status.problems]

@@ -90,6 +90,7 @@ class KvctlProcess:
     pre: list[str] = field(default_factory=list)  # arguments before ``run`` (--config FILE)
     extra: list[str] = field(default_factory=list)  # more ``run`` arguments (--spawn -- ARGV last)
     cwd: Path = ROOT
+    listen_flags: bool = True  # False: the listen addresses come from the settings (the config file the test writes)
 
     @property
     def proxy(self) -> str:
@@ -102,6 +103,7 @@ class KvctlProcess:
     async def start(self, http: aiohttp.ClientSession, timeout_s: float = 30.0) -> KvctlProcess:
         """Start it and wait until its control loop has polled the server."""
         env = {**os.environ, "KVCTL_LOG__FORMAT": "json", **self.env}
+        listen = ["--listen", f"127.0.0.1:{self.proxy_port}", "--admin", f"127.0.0.1:{self.admin_port}"]
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -111,10 +113,7 @@ class KvctlProcess:
                 "run",
                 "--upstream",
                 self.upstream,
-                "--listen",
-                f"127.0.0.1:{self.proxy_port}",
-                "--admin",
-                f"127.0.0.1:{self.admin_port}",
+                *(listen if self.listen_flags else []),
                 *self.extra,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
@@ -170,6 +169,70 @@ class KvctlProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+
+class SplitForwarder:
+    """A TCP forwarder in front of the server. Armed, it passes on the first part of the next SSE event the server
+    sends (into its ``data:`` line) and holds the rest until released: a kvctl worker killed meanwhile dies holding
+    half an event, a place no sleep finds. Then that connection closes; every other byte passes as it came."""
+
+    def __init__(self, upstream: str) -> None:
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        self.target = (host, int(port))
+        self.port = 0
+        self.splits = 0
+        self._armed = False
+        self.split = asyncio.Event()  # half an event passed on
+        self.release = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> SplitForwarder:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def arm(self) -> None:
+        self._armed = True
+        self.split.clear()
+        self.release.clear()
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self._server is not None:
+            self._server.close()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, down: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    at = data.find(b"data:") if down and self._armed else -1
+                    if at >= 0 and data.find(b"\n\n", at) > at + 12:
+                        self._armed = False
+                        dst.write(data[: at + 12])  # "data: {" and a little: the event's end never comes
+                        await dst.drain()
+                        self.splits += 1
+                        self.split.set()
+                        await self.release.wait()
+                        return
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                for w in (dst, writer, up_w):
+                    w.close()
+
+        await asyncio.gather(pipe(reader, up_w, False), pipe(up_r, writer, True))
 
 
 # --- a client that reads whatever comes back -------------------------------------------------------

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 
 from testkit.llama import free_port, get_json, parse_metrics
 from tests.harness import ServerFactory, require_module
-from tests.integration.faults import ROOT, KvctlProcess
+from tests.integration.faults import ROOT, KvctlProcess, SplitForwarder
 
 pytestmark = pytest.mark.server
 
@@ -266,34 +267,52 @@ async def test_reload_and_sighup_take_new_settings_and_keep_every_stream(
     live and says that too."""
     srv = start_server(*POOL, model=smollm2)
     config = tmp_path / "kvctl.toml"
-    config.write_text("[policy]\nhigh = 0.94\n")
-    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=ENV, pre=["--config", str(config)])
+    kv = KvctlProcess(srv.url, tmp_path / "kvctl.log", env=ENV, pre=["--config", str(config)], listen_flags=False)
+    listen = f'[proxy]\nlisten = "127.0.0.1:{kv.proxy_port}"\n[admin]\nlisten = "127.0.0.1:{kv.admin_port}"\n'
+    config.write_text(listen + "[policy]\nhigh = 0.94\n")
     try:
         await kv.start(http)
         tasks = [asyncio.create_task(_one(k, i, kv.proxy, http)) for i, k in enumerate(KINDS[:6])]
         pid = await _worker_pid(http, kv.admin)
         await asyncio.sleep(1.0)
-        config.write_text("[policy]\nhigh = 0.9\n")
+        config.write_text(listen + "[policy]\nhigh = 0.9\n")
         code, out, err = await _reload(kv.admin, "--json")
         assert code == 0, (out, err)
-        assert json.loads(out)["old_pid"] == pid
+        answer = json.loads(out)
+        assert answer["old_pid"] == pid and answer["listen_unchanged"] is None, answer
         pid = await _worker_pid(http, kv.admin, other_than=pid)
         status = await get_json(http, kv.admin + "/status")
         assert status["pool"]["high"] == 0.9, status["pool"]
         assert kv.proc is not None
         os.kill(kv.proc.pid, signal.SIGHUP)
         pid = await _worker_pid(http, kv.admin, other_than=pid)
+        # the listen address cannot change live: the keeper keeps its listeners, and the reload says so
+        other = free_port()
+        config.write_text(listen.replace(str(kv.proxy_port), str(other)) + "[policy]\nhigh = 0.9\n")
+        code, out, err = await _reload(kv.admin)
+        assert code == 0 and f"proxy.listen 127.0.0.1:{other}" in err and "until kvctl restarts" in err, (out, err)
+        assert json.loads(out)["listen_unchanged"] in err
+        pid = await _worker_pid(http, kv.admin, other_than=pid)
+        keeper = (await get_json(http, kv.admin + "/status"))["keeper"]
+        assert f"still listening on 127.0.0.1:{kv.proxy_port}" in keeper["listen_unchanged"], keeper
+        assert [e for e in kv.events() if e["event"] == "keeper.listen_unchanged"]
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await http.get(f"http://127.0.0.1:{other}/health")
+        config.write_text(listen + "[policy]\nhigh = 0.9\n")
         seen = await asyncio.wait_for(asyncio.gather(*tasks), 240)
         await _check(seen, http, srv.url)
+        events = kv.events()
+        assert sum(e["event"] == "keeper.replacing" for e in events) == 3, "each reload a hand-over"
+        assert [e for e in events if e["event"] == "takeover.resume"], "no stream was taken over"
 
-        config.write_text("[policy]\nhigh = 2\n")  # invalid: the new worker exits 2, the old one serves on
+        config.write_text(listen + "[policy]\nhigh = 2\n")  # invalid: the new worker exits 2, the old one serves on
         code, out, err = await _reload(kv.admin)
         assert code == 1 and "serves on" in err, (code, out, err)
         assert await _worker_pid(http, kv.admin) == pid
         assert (await get_json(http, kv.admin + "/status"))["keeper"]["reloads_failed"] == 1
 
         # systemd's ExecReload: the new worker takes the caller's KVCTL_ variables (the EnvironmentFile read again)
-        config.write_text("[policy]\nhigh = 0.9\n")
+        config.write_text(listen + "[policy]\nhigh = 0.9\n")
         code, out, err = await _reload(kv.admin, env={"KVCTL_POLICY__LOW": "0.7"})
         assert code == 0, (out, err)
         await _worker_pid(http, kv.admin, other_than=pid)
@@ -478,3 +497,111 @@ async def test_a_chat_survives_any_number_of_reloads_and_worker_kills(
         assert [e for e in events if e["event"] == "takeover.attached"], "no stream was taken over"
     finally:
         await kv.stop()
+
+
+async def test_exact_answers_through_placed_kills_and_reloads_equal_their_solo_runs(
+    smollm2: Path, start_server: ServerFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """The server in `--exact`: six requests of five kinds (one not streamed) through faults placed by what the
+    streams are doing: the worker killed holding half an event from the server, while a request is parked, while
+    the next worker is resuming the streams, while a reload's new worker is still starting, and just after a
+    reload. Every answer equals its solo run token for token, and the server evaluates each prompt once."""
+    n = 192
+    srv = start_server(*POOL, "--exact", model=smollm2)
+    fwd = await SplitForwarder(srv.url).start()
+    kv = KvctlProcess(fwd.url, tmp_path / "kvctl.log", env=ENV)
+    kinds = (*KINDS[:5], "plain")
+    try:
+        await kv.start(http)
+        solo = [await _one(k, i, kv.proxy, http, n_predict=n) for i, k in enumerate(kinds)]
+        m0 = parse_metrics(await (await http.get(srv.url + "/metrics")).text())
+        seen = [Seen(k) for k in kinds]
+        tasks = [asyncio.create_task(_one(s.kind, i, kv.proxy, http, s, n)) for i, s in enumerate(seen)]
+        pid = await _worker_pid(http, kv.admin)
+
+        async def progress() -> None:  # the worker now serving has streamed something new
+            had = sum(len(s.ids) for s in seen)
+            deadline = time.monotonic() + 60
+            while sum(len(s.ids) for s in seen) <= had:
+                assert time.monotonic() < deadline, "no stream made progress"
+                await asyncio.sleep(0.01)
+
+        def count(event: str) -> int:
+            return sum(e["event"] == event for e in kv.events())
+
+        at_kill = {"resumes": 0}
+
+        async def die(victim: int) -> int:
+            """SIGKILL ``victim`` while it holds requests; the worker serving next."""
+            held = count("keeper.held")
+            os.kill(victim, signal.SIGKILL)
+            at_kill["resumes"] = count("takeover.resume")
+            nxt = await _worker_pid(http, kv.admin, other_than=victim)
+            assert count("keeper.held") > held, "the worker held no request when it died: make the streams longer"
+            return nxt
+
+        async def kill(when: Any, progressed: bool = True) -> None:
+            nonlocal pid
+            if progressed:
+                await progress()
+            await when()
+            pid = await die(pid)
+
+        async def mid_event() -> None:
+            fwd.arm()
+            await asyncio.wait_for(fwd.split.wait(), 30)
+
+        async def parked() -> None:
+            deadline = time.monotonic() + 60
+            while not [s for s in await get_json(http, srv.url + "/slots") if s["state"] == "parked"]:
+                assert time.monotonic() < deadline, "nothing was parked"
+                await asyncio.sleep(0.01)
+
+        async def resuming() -> None:  # the worker after the last death has begun resuming the streams
+            deadline = time.monotonic() + 60
+            while count("takeover.resume") <= at_kill["resumes"]:
+                assert time.monotonic() < deadline, "no stream was resumed"
+                await asyncio.sleep(0.002)
+
+        await kill(mid_event)
+        fwd.release.set()
+        await kill(parked)
+        await kill(resuming, progressed=False)  # in the middle of its resumes, before it streams anything
+
+        # a reload's new worker still starting: the old one killed, its requests wait for the new one
+        await progress()
+        assert kv.proc is not None
+        keeper = psutil.Process(kv.proc.pid)
+        os.kill(kv.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while len(keeper.children()) < 2:
+            assert time.monotonic() < deadline, "the reload started no worker"
+            await asyncio.sleep(0.002)
+        pid = await die(pid)
+        assert count("keeper.replacing") == 0, "the new worker was ready before the old one died"
+
+        # just after a reload: the new worker killed as soon as it serves
+        await progress()
+        code, out, err = await _reload(kv.admin)
+        assert code == 0, (out, err)
+        pid = await die(await _worker_pid(http, kv.admin, other_than=pid))
+
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        assert not any(s.final for s in got[:5] if len(s.ids) < n // 2), "a stream ended early"
+        await _check(got, http, srv.url, n)
+        for s, ref in zip(got, solo, strict=True):
+            assert s.text == ref.text and s.usage == ref.usage, f"{s.kind}: differs from its solo run"
+            assert s.ids == ref.ids, f"{s.kind}: its ids differ from its solo run's"
+        m = parse_metrics(await (await http.get(srv.url + "/metrics")).text())
+        evaluated = m["llamacpp:prompt_tokens_total"] - m0["llamacpp:prompt_tokens_total"]
+        assert evaluated == sum(s.prompt or 0 for s in got), "a prompt or a generated token was evaluated again"
+        assert m["llamacpp:recomputed_tokens_total"] == m0["llamacpp:recomputed_tokens_total"]
+        assert m["llamacpp:slot_parks_total"] > m0["llamacpp:slot_parks_total"]
+        assert m["llamacpp:slot_resumes_total"] == m["llamacpp:slot_parks_total"]
+        assert fwd.splits == 1
+        events = kv.events()
+        assert not [e for e in events if e["event"] == "keeper.request_dropped"]
+        assert count("takeover.attached") > 0
+    finally:
+        await kv.stop()
+        await fwd.stop()

@@ -68,6 +68,7 @@ async def test_the_reload_route_checks_its_body_and_passes_the_environment_on() 
     class Keeper:
         reloads_failed = 0
         reload_error: str | None = None
+        listen_unchanged: str | None = None
 
         def __init__(self) -> None:
             self.asked: list[dict[str, str] | None] = []
