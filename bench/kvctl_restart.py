@@ -233,16 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-predict", type=int, default=300)
     ap.add_argument("--spawn", action="store_true", help="kvctl spawns the server (default: attached)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each scenario (default 3)")
+    kinds = ("none", NO_KEEPER, "SIGKILL", "reload", *MANY)
+    ap.add_argument("--only", help=f"a comma-separated subset of the scenarios ({', '.join(kinds)}); default: all")
     args = ap.parse_args(argv)
+    chosen = [k.strip() for k in args.only.split(",")] if args.only else list(kinds)
+    if unknown := [k for k in chosen if k not in kinds]:
+        ap.error(f"--only: unknown scenario(s) {unknown}; known: {', '.join(kinds)}")
     binary = build()
     gguf = model("smollm2", binary)
     rows = []
-    for kind in ("none", NO_KEEPER, "SIGKILL", "reload", *MANY):
+    for kind in chosen:
         runs = [
             asyncio.run(scenario(kind, binary, gguf, args.streams, args.n_predict, args.spawn))
             for _ in range(args.repeat)
         ]
         rows.append(_merge(runs))
+        print(f"kvctl_restart: {kind}: {rows[-1]}", file=sys.stderr, flush=True)  # a long run's rows as they come
     out = table(
         [
             "kvctl",
