@@ -265,8 +265,12 @@ async def reload(admin: Admin, environment: dict[str, str] | None, as_json: bool
             if failed is None:
                 failed = keeper.reloads_failed
             if keeper.pid != old:
-                shown = {"reloaded": True, "old_pid": old, "pid": keeper.pid}
-                shown["listen_unchanged"] = keeper.listen_unchanged
+                shown = {
+                    "reloaded": True,
+                    "old_pid": old,
+                    "pid": keeper.pid,
+                    "listen_unchanged": keeper.listen_unchanged,
+                }
                 print(json.dumps(shown) if as_json else f"reloaded: worker {old} -> {keeper.pid}, no connection lost")
                 if keeper.listen_unchanged is not None:
                     print(f"kvctl reload: {keeper.listen_unchanged} (systemctl restart kvctl)", file=sys.stderr)

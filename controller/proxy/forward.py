@@ -27,6 +27,7 @@ from controller.proxy.priority import PRIORITY_HEADER
 from controller.proxy.transcript import OPT_OUT_HEADER
 
 __all__ = [
+    "ANSWER_HEADER",
     "CREDENTIALS",
     "HOP_BY_HOP",
     "Moving",
@@ -39,6 +40,7 @@ __all__ = [
 
 log = structlog.get_logger("kvctl.proxy")
 
+ANSWER_HEADER = "X-Conversation-Answer"  # the server's mark on a non-streamed answer a session kept (0047)
 HOP_BY_HOP = frozenset(
     h.lower()
     for h in (

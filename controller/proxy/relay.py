@@ -22,7 +22,7 @@ from aiohttp import web
 from controller.errors import Code
 from controller.proxy.config import ProxyConfig
 from controller.proxy.context import Broken, End, Phase, RequestContext, Silence, Tracker, Truncated
-from controller.proxy.forward import Opened, Upstream, UpstreamEnded
+from controller.proxy.forward import ANSWER_HEADER, Opened, Upstream, UpstreamEnded
 from controller.proxy.framing import Errors, error_event, error_from_body
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.owners import Ownership
@@ -156,7 +156,7 @@ class Relay:
                 return await self._whole(ctx, upstream)
             headers = Upstream.response_headers(upstream, ctx.client_request_id, ctx.request_id, keep_length=True)
             if ctx.attached:
-                headers.popall("X-Conversation-Answer", None)  # a previous worker's answer, as the client asked it
+                headers.popall(ANSWER_HEADER, None)  # a previous worker's answer, as the client asked it
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
             await resp.prepare(ctx.request)
             ctx.response = resp

@@ -35,7 +35,7 @@ from controller.keeper_conns import RECORD_BYTES
 from controller.keeper_link import KeeperLink
 from controller.keys import Identity
 from controller.proxy.context import Broken, Phase, RequestContext
-from controller.proxy.forward import Opened, close_response
+from controller.proxy.forward import ANSWER_HEADER, Opened, close_response
 from controller.proxy.inspection import BadRequest, read_generation
 from controller.proxy.priority import PRIORITY_HEADER, InvalidPriority, Priority, resolve_priority
 from controller.proxy.routes import Kind
@@ -44,12 +44,11 @@ from controller.proxy.sse import SSEFramer
 if TYPE_CHECKING:
     from controller.proxy.app import Proxy
 
-__all__ = ["ANSWER_HEADER", "CONV_HEADER", "Takeover", "parse_request"]
+__all__ = ["CONV_HEADER", "Takeover", "parse_request"]
 
 log = structlog.get_logger("kvctl.proxy")
 
 CONV_HEADER = "X-Conversation-Id"
-ANSWER_HEADER = "X-Conversation-Answer"
 
 
 def _dechunk(data: bytes) -> bytes:
